@@ -12,8 +12,10 @@
     │   ├── ContextLengthError      prompt (+ max_tokens) over the context
     │   └── PayloadTooLargeError    body over the size limit           -> 413
     ├── AuthError                   missing or wrong bearer token      -> 401
+    ├── ClientDisconnectedError     the client went away mid-reply (nobody to answer)
     ├── UnavailableError            cannot serve now (has Retry-After) -> 503
     │   ├── OverloadedError         every session slot busy past the queue timeout
+    │   ├── StepTimeoutError        one model step ran past step_timeout_s
     │   └── NoRouteError            layers missing from the swarm
     └── InternalError               a bug or a worker failure          -> 500
 
@@ -84,6 +86,10 @@ class AuthError(SwarmError):
     """Missing or wrong API token."""
 
 
+class ClientDisconnectedError(SwarmError):
+    """The client closed the connection before the reply was complete."""
+
+
 class UnavailableError(SwarmError):
     """The node cannot serve this request now; the client may retry later."""
 
@@ -96,6 +102,10 @@ class OverloadedError(UnavailableError):
     """Every session slot stayed busy for longer than the queue timeout."""
 
 
+class StepTimeoutError(UnavailableError):
+    """One model step ran longer than `step_timeout_s`."""
+
+
 class NoRouteError(UnavailableError):
     """No set of peers covers every layer of the model."""
 
@@ -103,7 +113,9 @@ class NoRouteError(UnavailableError):
         self.model = model
         self.missing = missing
         ranges = ", ".join(f"[{a}:{b})" for a, b in missing)
-        super().__init__(f"No route for model '{model}': layers {ranges} are not served", retry_after_s)
+        super().__init__(
+            f"No route for model '{model}': layers {ranges} are not served", retry_after_s
+        )
 
 
 class InternalError(SwarmError):

@@ -1,0 +1,86 @@
+"""The aiohttp application: routes, middlewares and the small JSON endpoints."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from swarmd import __version__
+from swarmd.api.completions import chat_completions, completions
+from swarmd.api.errors import Handler, error_middleware
+
+if TYPE_CHECKING:
+    from swarmd.node import Node
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request["request_id"] = str(uuid.uuid4())
+    response = await handler(request)
+    if not response.prepared:
+        response.headers.setdefault("x-swarm-request-id", request["request_id"])
+    return response
+
+
+def create_app(node: Node) -> web.Application:
+    app = web.Application(
+        client_max_size=node.config.max_body_bytes,
+        middlewares=[request_id_middleware, error_middleware],
+    )
+    app["node"] = node
+    app["coordinator"] = node.coordinator
+    app["max_body_bytes"] = node.config.max_body_bytes
+    app["default_temperature"] = node.config.default_temperature
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def health(request: web.Request) -> web.Response:
+    node: Node = request.app["node"]
+    model = node.model
+    body: dict[str, Any] = {
+        "status": "ok",
+        "version": __version__,
+        "peer_id": node.identity.peer_id,
+        "short_id": node.identity.short_id,
+        "uptime_s": round(time.monotonic() - node.started_at, 1),
+        "models": [
+            {
+                "id": model.model_id,
+                "layers": [model.layers.start, model.layers.end],
+                "num_layers": model.num_layers,
+                "dtype": model.dtype_name,
+            }
+        ],
+        "in_flight": node.coordinator.in_flight,
+        "sessions": node.runtime.session_count,
+    }
+    return web.json_response(body)
+
+
+async def models(request: web.Request) -> web.Response:
+    node: Node = request.app["node"]
+    model = node.model
+    entry = {
+        "id": model.model_id,
+        "object": "model",
+        "created": int(node.started_wall),
+        "owned_by": "swarmd",
+        "context_length": model.context_length,
+        "swarm": {
+            "holders": [
+                {"peer_id": node.identity.peer_id, "layers": [model.layers.start, model.layers.end]}
+            ],
+            "coverage": [[model.layers.start, model.layers.end]],
+            "num_layers": model.num_layers,
+            "complete": model.is_whole,
+            "routable": model.is_whole,
+        },
+    }
+    return web.json_response({"object": "list", "data": [entry]})

@@ -1,0 +1,351 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+from swarmd.api.errors import classify
+from swarmd.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _Sampling,
+    parse_body,
+    validate,
+)
+from swarmd.errors import (
+    ClientDisconnectedError,
+    ContextLengthError,
+    InvalidRequestError,
+    SwarmError,
+)
+from swarmd.model.loader import LoadedModel
+from swarmd.model.sampling import SamplingParams
+from swarmd.pipeline.coordinator import Coordinator
+from swarmd.pipeline.generation import Delta, Generation, GenerationRequest, Timing
+from swarmd.pipeline.report import RequestRecord
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What the two endpoints differ in."""
+
+    kind: Kind
+    reply_id: str
+    model: str
+    created: int
+    include_usage: bool
+    return_token_ids: bool
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_name(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def choice(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        body: dict[str, Any] = {
+            "id": self.reply_id,
+            "object": self.chunk_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return sse(body)
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 2)
+
+
+def _server_timing(timing: Timing, full: bool) -> str:
+    parts = [("queue", timing.queue_s), ("sched", timing.sched_s)]
+    if full:
+        parts += [("ttft", timing.ttft_s), ("decode", timing.decode_s)]
+    return ", ".join(f"{name};dur={_ms(s)}" for name, s in parts if s is not None)
+
+
+def _route_headers(gen: Generation, request_id: str, full_timing: bool) -> dict[str, str]:
+    hops = gen.chain.hops
+    local = len(hops) == 1 and hops[0].local
+    return {
+        "x-swarm-route": "local" if local else "distributed",
+        "x-swarm-segments": str(len(hops)),
+        "x-swarm-nodes": ",".join(hop.short_id for hop in hops),
+        "x-swarm-request-id": request_id,
+        "server-timing": _server_timing(gen.timing, full_timing),
+    }
+
+
+def _swarm_summary(gen: Generation) -> dict[str, Any]:
+    hops = gen.chain.hops
+    t = gen.timing
+    return {
+        "route": "local" if len(hops) == 1 and hops[0].local else "distributed",
+        "nodes": [hop.short_id for hop in hops],
+        "segments": [
+            {"node": hop.short_id, "layers": [hop.layers.start, hop.layers.end], "ms": _ms(s)}
+            for hop, s in zip(hops, gen.chain.stage_seconds(), strict=False)
+        ],
+        "failovers": 0,
+        "timing": {
+            "queue_ms": _ms(t.queue_s),
+            "sched_ms": _ms(t.sched_s),
+            "ttft_ms": _ms(t.ttft_s),
+            "decode_ms": _ms(t.decode_s),
+            "total_ms": _ms(t.since_received()),
+        },
+    }
+
+
+def _usage(gen: Generation) -> dict[str, int]:
+    prompt = len(gen.request.prompt_ids)
+    done = gen.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_param: str) -> int:
+    if prompt_len == 0:
+        raise InvalidRequestError("The prompt is empty", prompt_param)
+    if prompt_len >= context:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context} tokens, but the prompt has "
+            f"{prompt_len} tokens",
+            prompt_param,
+        )
+    if requested is None:
+        return context - prompt_len
+    if prompt_len + requested > context:
+        raise ContextLengthError(
+            f"This model's maximum context length is {context} tokens, but {prompt_len + requested}"
+            f" were requested ({prompt_len} in the prompt, {requested} for the completion); "
+            f"lower max_tokens to {context - prompt_len} or less",
+            "max_tokens",
+        )
+    return requested
+
+
+def _sampling(req: _Sampling, model: LoadedModel, default_temperature: float) -> SamplingParams:
+    return SamplingParams(
+        temperature=default_temperature if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=req.logit_bias_ids(model.stage.vocab_size),
+        seed=req.seed,
+    )
+
+
+def _chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
+    if not model.codec.has_chat_template:
+        raise InvalidRequestError(
+            f"Model '{model.model_id}' has no chat template; use /v1/completions", "model"
+        )
+    return model.codec.chat_prompt([m.to_chat() for m in req.messages])
+
+
+def _text_prompt(req: CompletionRequest, model: LoadedModel) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return model.codec.encode(prompt)
+    if isinstance(prompt[0], str):
+        return model.codec.encode(str(prompt[0]))
+    ids = [int(t) for t in prompt]
+    vocab = model.stage.vocab_size
+    if any(t >= vocab for t in ids):
+        raise InvalidRequestError(f"Prompt token ids must be below {vocab}", "prompt")
+    return ids
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, "text")
+
+
+async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
+    coordinator: Coordinator = request.app["coordinator"]
+    timing = Timing()
+    request_id: str = request["request_id"]
+    model_name = "-"
+    prompt_ids: list[int] = []
+    try:
+        body = parse_body(await request.read())
+        req: ChatCompletionRequest | CompletionRequest
+        if kind == "chat":
+            req = validate(ChatCompletionRequest, body)
+        else:
+            req = validate(CompletionRequest, body)
+        model_name = req.model
+        req.check_supported()
+        model = coordinator.resolve(req.model)
+        if isinstance(req, ChatCompletionRequest):
+            prompt_ids, param = _chat_prompt(req, model), "messages"
+        else:
+            prompt_ids, param = _text_prompt(req, model), "prompt"
+        max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
+        gen_request = GenerationRequest(
+            request_id=request_id,
+            model_id=model.model_id,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=_sampling(req, model, request.app["default_temperature"]),
+            stop=req.stop_list(),
+        )
+    except (SwarmError, web.HTTPException) as exc:
+        _report_rejected(coordinator, request_id, model_name, prompt_ids, timing, exc)
+        raise
+    reply = _Reply(
+        kind=kind,
+        reply_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
+        model=model.model_id,
+        created=int(time.time()),
+        include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
+        return_token_ids=req.return_token_ids,
+    )
+    if req.stream:
+        return await _stream(request, gen_request, timing, reply)
+    return await _whole(request, gen_request, timing, reply)
+
+
+def _report_rejected(
+    coordinator: Coordinator,
+    request_id: str,
+    model: str,
+    prompt_ids: list[int],
+    timing: Timing,
+    exc: BaseException,
+) -> None:
+    coordinator.report(
+        RequestRecord(
+            request_id=request_id,
+            model=model,
+            route="local",
+            nodes=[],
+            outcome="error",
+            error_type=type(exc).__name__,
+            total_ms=timing.since_received() * 1000.0,
+            prompt_tokens=len(prompt_ids) if prompt_ids else None,
+        )
+    )
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _whole(
+    request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
+) -> web.Response:
+    coordinator: Coordinator = request.app["coordinator"]
+    async with coordinator.generation(gen_request, timing, lambda: _client_gone(request)) as gen:
+        parts = [event.text async for event in gen.events() if isinstance(event, Delta)]
+        text = "".join(parts)
+        if reply.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": gen.finish_reason,
+            }
+        else:
+            choice = reply.choice(text, gen.finish_reason)
+        body: dict[str, Any] = {
+            "id": reply.reply_id,
+            "object": reply.object_name,
+            "created": reply.created,
+            "model": reply.model,
+            "choices": [choice],
+            "usage": _usage(gen),
+            "swarm": _swarm_summary(gen),
+        }
+        if reply.return_token_ids:
+            body["prompt_token_ids"] = list(gen_request.prompt_ids)
+            choice["token_ids"] = list(gen.tokens)
+        headers = _route_headers(gen, gen_request.request_id, full_timing=True)
+    return web.json_response(body, headers=headers)
+
+
+async def _stream(
+    request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
+) -> web.StreamResponse:
+    coordinator: Coordinator = request.app["coordinator"]
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        async with coordinator.generation(
+            gen_request, timing, lambda: _client_gone(request)
+        ) as gen:
+            response.headers.update(_route_headers(gen, gen_request.request_id, full_timing=False))
+            await response.prepare(request)
+            try:
+                await _write_events(response, gen, reply)
+            except ConnectionResetError as exc:
+                raise ClientDisconnectedError("The client closed the stream") from exc
+            except SwarmError as exc:
+                # Mid-stream: the status is already sent, so the error travels as an event.
+                _, body, _ = classify(exc)
+                await response.write(sse(body))
+                await response.write(sse("[DONE]"))
+                raise
+    except ClientDisconnectedError:
+        return response
+    except SwarmError:
+        if not response.prepared:
+            raise
+        return response
+    return response
+
+
+async def _write_events(response: web.StreamResponse, gen: Generation, reply: _Reply) -> None:
+    extra: dict[str, Any] = {}
+    if reply.return_token_ids:
+        extra["prompt_token_ids"] = list(gen.request.prompt_ids)
+    await response.write(
+        reply.chunk([reply.choice("" if reply.kind == "chat" else None, None, first=True)], **extra)
+    )
+    async for event in gen.events():
+        if isinstance(event, Delta):
+            await response.write(reply.chunk([reply.choice(event.text, None)]))
+    finish = reply.choice(None if reply.kind == "chat" else "", gen.finish_reason)
+    if reply.return_token_ids:
+        finish["token_ids"] = list(gen.tokens)
+    if reply.include_usage:
+        await response.write(reply.chunk([finish]))
+        await response.write(reply.chunk([], usage=_usage(gen), swarm=_swarm_summary(gen)))
+    else:
+        await response.write(reply.chunk([finish], swarm=_swarm_summary(gen)))
+    await response.write(sse("[DONE]"))

@@ -1,0 +1,84 @@
+"""The one table from the exception tree to HTTP statuses, in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from swarmd.errors import (
+    AuthError,
+    ClientDisconnectedError,
+    InternalError,
+    ModelError,
+    ModelNotFoundError,
+    RequestError,
+    SwarmError,
+    UnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, object]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]]:
+    """status, body and extra headers for an error."""
+    if isinstance(exc, RequestError):
+        return exc.status, error_body(str(exc), exc.error_type, exc.param, exc.code), {}
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(str(exc), "invalid_request_error", "model", "model_not_found"), {}
+    if isinstance(exc, AuthError):
+        return 401, error_body(str(exc), "authentication_error", None, "invalid_api_key"), {}
+    if isinstance(exc, UnavailableError):
+        body = error_body(str(exc), "service_unavailable", None, type(exc).__name__)
+        return 503, body, {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, ModelError | InternalError | ClientDisconnectedError | SwarmError):
+        return 500, error_body(str(exc), "server_error", None, type(exc).__name__), {}
+    return 500, error_body("Internal server error", "server_error", None, "internal_error"), {}
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body, headers = classify(exc)
+    return web.json_response(body, status=status, headers=headers)
+
+
+_HTTP_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's shape; a bug becomes a 500, never a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 413:
+            message = f"Request body too large: the limit is {request.app['max_body_bytes']} bytes"
+            code = "payload_too_large"
+        else:
+            message, code = exc.reason, None
+            if exc.status == 404:
+                message = f"Unknown path {request.path}"
+            elif exc.status == 405:
+                message = f"Method {request.method} is not allowed on {request.path}"
+        body = error_body(message, _HTTP_TYPES.get(exc.status, "invalid_request_error"), None, code)
+        return web.json_response(body, status=exc.status)
+    except SwarmError as exc:
+        return error_response(exc)
+    except Exception as exc:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(exc)

@@ -1,0 +1,200 @@
+"""Request bodies of the OpenAI endpoints, validated with pydantic.
+
+Strict types (a string is not a number), unknown fields refused, and every OpenAI
+parameter that swarmd does not serve is named and refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from swarmd.errors import InvalidRequestError, UnsupportedError
+from swarmd.model.text import ChatMessage
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+M = TypeVar("M", bound=BaseModel)
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def to_chat(self) -> ChatMessage:
+        text = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
+        # Chat templates know no "developer" role; it is OpenAI's new name for system.
+        return ChatMessage("system" if self.role == "developer" else self.role, text)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints."""
+
+    model_config = _STRICT
+    model: str
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1 = off (vLLM's extension)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    max_tokens: MaxTokens | None = None
+    stop: (
+        str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+    ) = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    n: int = 1
+    logprobs: Any = None
+    return_token_ids: bool = False  # vLLM's extension: token ids in the reply
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise UnsupportedError("Only n=1 is supported", "n")
+        if self.logprobs not in (None, False, 0):
+            raise UnsupportedError("logprobs are not supported", "logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequestError(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias key '{key}' is not a token id below {vocab_size}", "logit_bias"
+                )
+            bias[int(key)] = value
+        return bias
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise UnsupportedError(f"Tool and function calling is not supported ({name})", name)
+        for name in ("top_logprobs", "audio", "prediction"):
+            if getattr(self, name) is not None:
+                raise UnsupportedError(f"'{name}' is not supported", name)
+        if self.modalities not in (None, ["text"]):
+            raise UnsupportedError("Only the text modality is supported", "modalities")
+        if self.response_format not in (None, {"type": "text"}):
+            raise UnsupportedError(
+                "Only response_format {'type': 'text'} is supported", "response_format"
+            )
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidRequestError(
+                "Give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
+            )
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    )
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
+            raise UnsupportedError("Only one prompt per request is supported", "prompt")
+        if self.echo:
+            raise UnsupportedError("echo is not supported", "echo")
+        if self.suffix:
+            raise UnsupportedError("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise UnsupportedError("Only best_of=1 is supported", "best_of")
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequestError(
+            f"The request body must be a JSON object, not {type(body).__name__}"
+        )
+    return body
+
+
+def validate(model: type[M], body: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param_path(first["loc"])
+        if first["type"] == "extra_forbidden":
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {param}", param
+            ) from exc
+        if first["type"] == "missing":
+            raise InvalidRequestError(f"Missing required parameter: '{param}'", param) from exc
+        raise InvalidRequestError(f"Invalid value for '{param}': {first['msg']}", param) from exc
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[TextPart]") or "[" in str(part):
+            continue  # pydantic names the union member it tried; the client never wrote it
+        else:
+            path += f".{part}" if path else str(part)
+    return path

@@ -1,0 +1,105 @@
+"""The `swarmd` command line (typer)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from swarmd import __version__
+from swarmd.errors import SwarmError
+
+app = typer.Typer(
+    help="swarmd: one OpenAI-compatible LLM server made of the machines you own.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # transformers and friends are chatty at INFO; their warnings still show.
+    for name in ("transformers", "accelerate", "urllib3", "filelock"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, getattr(logging, level)))
+
+
+@app.command()
+def run(
+    model: Annotated[str | None, typer.Option(help="Model id, GGUF file or HF folder.")] = None,
+    host: Annotated[str | None, typer.Option(help="API listen address.")] = None,
+    port: Annotated[int | None, typer.Option(help="API port (0 = any free port).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Identity key and node state.")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="Converted models cache.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
+    torch_threads: Annotated[int | None, typer.Option(help="0 = all cores.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False,
+) -> None:
+    """Run a node: serve the model over the OpenAI API (the embedded model by default)."""
+    from swarmd.config import load_config
+    from swarmd.node import serve
+
+    flags: dict[str, object] = {
+        "model": model,
+        "host": host,
+        "port": port,
+        "data_dir": data_dir,
+        "cache_dir": cache_dir,
+        "dtype": dtype,
+        "torch_threads": torch_threads,
+    }
+    if verbose:
+        flags["log_level"] = "DEBUG"
+    try:
+        cfg = load_config(flags, config, os.environ)
+        _setup_logging(cfg.log_level)
+        asyncio.run(serve(cfg))
+    except SwarmError as exc:
+        typer.echo(f"swarmd: error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def chat(
+    prompt: Annotated[str, typer.Argument(help="What to ask.")],
+    model: Annotated[str | None, typer.Option(help="Model id (default: the node's first).")] = None,
+    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
+    max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
+    system: Annotated[str | None, typer.Option(help="A system prompt.")] = None,
+) -> None:
+    """Stream a reply from a running node to the terminal."""
+    from swarmd.client import ClientError, stream_chat
+
+    messages: list[dict[str, Any]] = []
+    if system:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": prompt})
+    options = {"max_tokens": max_tokens, "temperature": temperature}
+    try:
+        summary = asyncio.run(
+            stream_chat(url, model, messages, {k: v for k, v in options.items() if v is not None})
+        )
+    except ClientError as exc:
+        typer.echo(f"swarmd: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo("")
+    if summary:
+        typer.echo(summary, err=True)
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)

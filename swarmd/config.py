@@ -1,0 +1,179 @@
+"""The node's configuration: one frozen dataclass and the function that fills it.
+
+Precedence, highest first: CLI flag > env var `SWARMD_<FIELD>` (e.g. `SWARMD_PORT`) >
+TOML config file (flat keys equal to the field names) > default. The config file is the
+`config_file` argument, else the file named by env `SWARMD_CONFIG`, else none.
+
+The environment is passed in by the caller, read once at start-up; nothing here reads
+`os.environ` or the disk at import. Ranges are checked by `load_config`, not by `Config`
+itself, so tests may build e.g. `Config(port=0)` for an ephemeral port.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import platformdirs
+
+from swarmd.errors import ConfigError
+
+ENV_PREFIX = "SWARMD_"
+CONFIG_ENV_VAR = "SWARMD_CONFIG"
+DTYPES = ("float32", "float16", "bfloat16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir("swarmd"))
+
+
+def _default_cache_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("swarmd"))
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "127.0.0.1"  # API listen address
+    port: int = 8800  # API port
+    model: str = "smollm2-135m-instruct"  # model id or path (HF dir with safetensors, or .gguf)
+    data_dir: Path = field(default_factory=_default_data_dir)  # identity key, node state
+    cache_dir: Path = field(default_factory=_default_cache_dir)  # converted models, per user
+    dtype: str = "float32"  # one of DTYPES
+    torch_threads: int = 0  # 0 = torch's default (all cores)
+    prefill_chunk_tokens: int = 256  # prompt tokens per forward step
+    max_sessions: int = 16  # generations in flight; more wait in a queue
+    queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 503
+    step_timeout_s: float = 60.0  # one forward step on the worker
+    max_body_bytes: int = 1_048_576  # larger request bodies get 413
+    default_temperature: float = 1.0  # when a request names none (OpenAI's default)
+    log_level: str = "INFO"  # one of LOG_LEVELS
+
+
+_TYPES: dict[str, type] = get_type_hints(Config)
+
+
+def _finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+# field -> (accepts the value, what it must be); fields not named here take any value.
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "host": (lambda v: v != "", "a non-empty address"),
+    "port": (lambda v: 0 <= v <= 65535, "in 0..65535 (0 = any free port)"),
+    "model": (lambda v: v != "", "a non-empty model id or path"),
+    "dtype": (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+    "torch_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
+    "prefill_chunk_tokens": (lambda v: v >= 1, ">= 1"),
+    "max_sessions": (lambda v: v >= 1, ">= 1"),
+    "queue_timeout_s": (_finite_positive, "a finite number > 0"),
+    "step_timeout_s": (_finite_positive, "a finite number > 0"),
+    "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
+    "default_temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "log_level": (lambda v: v in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}"),
+}
+
+
+def load_config(
+    flags: Mapping[str, object], config_file: Path | None, env: Mapping[str, str]
+) -> Config:
+    """Build the Config from the flags the user gave, the environment and the config file.
+
+    `flags` maps field names to values; None values are ignored. A str value is parsed like
+    an env var, any other value must already have the field's type.
+    """
+    unknown_flags = sorted(name for name in flags if name not in _TYPES)
+    if unknown_flags:
+        raise ConfigError(f"unknown flag(s): {', '.join(unknown_flags)}")
+    file_values, file_source = _read_file(config_file, env)
+
+    values: dict[str, Any] = {}
+    for name, kind in _TYPES.items():
+        env_var = ENV_PREFIX + name.upper()
+        flag = flags.get(name)
+        if flag is not None:
+            source = f"flag --{name.replace('_', '-')}"
+            if isinstance(flag, str):
+                value = _from_string(name, kind, flag, source)
+            else:
+                value = _from_value(name, kind, flag, source)
+        elif env_var in env:
+            source = f"env {env_var}"
+            value = _from_string(name, kind, env[env_var], source)
+        elif name in file_values:
+            source = file_source
+            value = _from_value(name, kind, file_values[name], source)
+        else:
+            continue
+        _check_range(name, value, source)
+        values[name] = value
+    return Config(**values)
+
+
+def _read_file(config_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
+    """The flat table of the config file and how to name it in errors; ({}, "") if none."""
+    named_by = ""
+    if config_file is None:
+        if not env.get(CONFIG_ENV_VAR):
+            return {}, ""
+        config_file = Path(env[CONFIG_ENV_VAR])
+        named_by = f" (named by env {CONFIG_ENV_VAR})"
+    path = config_file.expanduser()
+    source = f"config file {path}"
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{source}{named_by} does not exist") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read {source}{named_by}: {exc.strerror or exc}") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}{named_by} is not valid TOML: {exc}") from exc
+
+    for key in data:
+        if key not in _TYPES:
+            close = difflib.get_close_matches(key, _TYPES, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown key '{key}' in {source}{hint}")
+    return data, source
+
+
+def _from_string(name: str, kind: type, text: str, source: str) -> object:
+    """Parse an env var (or a str flag) as the field's type."""
+    if kind is Path:
+        return Path(text).expanduser()
+    if kind is str:
+        return text
+    try:
+        return kind(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{name}: cannot read {text!r} as {kind.__name__} (from {source})"
+        ) from exc
+
+
+def _from_value(name: str, kind: type, value: object, source: str) -> object:
+    """Check a TOML (or non-str flag) value against the field's type; no lossy conversions."""
+    if isinstance(value, bool):  # bool is an int subclass; no field is a bool
+        pass
+    elif kind is float and isinstance(value, int | float):
+        return float(value)
+    elif kind is Path and isinstance(value, str | os.PathLike):
+        return Path(value).expanduser()
+    elif isinstance(value, kind):
+        return value
+    raise ConfigError(
+        f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r} (from {source})"
+    )
+
+
+def _check_range(name: str, value: object, source: str) -> None:
+    rule = _RULES.get(name)
+    if rule is not None and not rule[0](value):
+        raise ConfigError(f"{name} must be {rule[1]}, got {value!r} (from {source})")

@@ -1,0 +1,45 @@
+"""`LayerRange`: a half-open range of decoder layers, [start, end)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from swarmd.errors import ConfigError
+
+
+@dataclass(frozen=True, order=True)
+class LayerRange:
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise ConfigError(f"Layer range {self.start}:{self.end} is empty or negative")
+
+    @classmethod
+    def parse(cls, text: str, num_layers: int) -> LayerRange:
+        """Parse 'START:END' (either side may be empty) against a model of num_layers."""
+        head, sep, tail = text.partition(":")
+        if not sep:
+            raise ConfigError(f"Layer range '{text}' must look like START:END, e.g. 0:15")
+        try:
+            start = int(head) if head.strip() else 0
+            end = int(tail) if tail.strip() else num_layers
+        except ValueError as exc:
+            raise ConfigError(f"Layer range '{text}' must be two integers START:END") from exc
+        if end > num_layers:
+            raise ConfigError(f"Layer range '{text}' ends past the model's {num_layers} layers")
+        return cls(start, end)
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    def is_last(self, num_layers: int) -> bool:
+        return self.end == num_layers
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"

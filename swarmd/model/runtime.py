@@ -1,0 +1,112 @@
+"""`StageRuntime`: one stage and its sessions, each with a KV cache and a sampler.
+
+Every method runs on the torch worker thread. A session lives from `open` to `close`;
+`sweep_idle` frees sessions whose coordinator went silent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from swarmd.errors import ContextLengthError, InternalError, OverloadedError
+from swarmd.model.sampling import Sampler, SamplingParams
+from swarmd.model.stage import StageModule
+
+
+@dataclass
+class StageSession:
+    session_id: str
+    cache: DynamicCache
+    max_length: int  # tokens this session may hold in its cache
+    sampler: Sampler | None  # only on the last stage
+    length: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    compute_s: float = 0.0  # time spent in this stage's forward passes
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: torch.Tensor | None  # [1, T, H] for the next stage, when this is not the last
+    token: int | None  # the sampled token, when the last stage was asked for one
+    compute_s: float
+
+
+class StageRuntime:
+    def __init__(self, stage: StageModule, max_sessions: int) -> None:
+        self.stage = stage
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, StageSession] = {}
+
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.length for s in list(self._sessions.values()))
+
+    def open(
+        self,
+        session_id: str,
+        max_length: int,
+        sampling: SamplingParams | None,
+        history: list[int] | None = None,
+    ) -> None:
+        """Create a session. `history`: reply tokens already sampled (for penalties)."""
+        if session_id in self._sessions:
+            raise InternalError(f"Session {session_id} is already open")
+        if len(self._sessions) >= self.max_sessions:
+            raise OverloadedError(f"All {self.max_sessions} session slots of this stage are busy")
+        sampler = None
+        if self.stage.is_last and sampling is not None:
+            sampler = Sampler(sampling, self.stage.vocab_size)
+            for token in history or []:
+                sampler.observe(token)
+        self._sessions[session_id] = StageSession(
+            session_id, self.stage.new_cache(), max_length, sampler
+        )
+
+    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> StepResult:
+        """Run one chunk: inputs [1, T] ids (first stage) or [1, T, H] hidden states."""
+        session = self._get(session_id)
+        count = int(inputs.shape[1])
+        if session.length + count > session.max_length:
+            raise ContextLengthError(
+                f"Session {session_id} would hold {session.length + count} tokens, over its "
+                f"limit of {session.max_length}"
+            )
+        started = time.perf_counter()
+        out = self.stage(inputs, session.cache)
+        token = None
+        if self.stage.is_last and want_token:
+            if session.sampler is None:
+                raise InternalError(f"Session {session_id} has no sampling parameters")
+            token = session.sampler.sample(out[0])
+        elapsed = time.perf_counter() - started
+        session.length += count
+        session.compute_s += elapsed
+        session.last_used = time.monotonic()
+        hidden = None if self.stage.is_last else out
+        return StepResult(hidden, token, elapsed)
+
+    def close(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+
+    def sweep_idle(self, idle_timeout_s: float) -> list[str]:
+        now = time.monotonic()
+        expired = [
+            s.session_id for s in self._sessions.values() if now - s.last_used > idle_timeout_s
+        ]
+        for session_id in expired:
+            self.close(session_id)
+        return expired
+
+    def _get(self, session_id: str) -> StageSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise InternalError(f"Session {session_id} is not open on this stage")
+        return session

@@ -1,0 +1,173 @@
+"""`StageModule`: decoder layers [start, end) of a model, runnable on their own.
+
+Layers are renumbered from 0 so a stage-local cache indexes from 0 (reusing the full
+model's layer indices with a short cache builds the mask from the wrong layer). The
+embeddings come with the stage that starts at layer 0, the final norm and LM head with
+the stage that ends at the last layer. Weights are read by a plain name table, and only
+the tensors of this range are read from disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+
+from swarmd.errors import ModelLoadError
+from swarmd.model.families import family_for
+from swarmd.model.layers import LayerRange
+
+
+class StageModule(nn.Module):
+    def __init__(self, config: PretrainedConfig, layers: LayerRange) -> None:
+        super().__init__()
+        num_layers = int(config.num_hidden_layers)
+        if layers.end > num_layers:
+            raise ModelLoadError(f"Layers {layers} exceed the model's {num_layers} layers")
+        family = family_for(config)
+        self.layers_range = layers
+        self.num_model_layers = num_layers
+        self.stage_config = _stage_config(config, layers)
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        with torch.device("meta"):
+            self.embed = (
+                nn.Embedding(self.vocab_size, self.hidden_size) if layers.is_first() else None
+            )
+            self.layers = nn.ModuleList(
+                family.decoder_layer(self.stage_config, i) for i in range(layers.size)
+            )
+            last = layers.is_last(num_layers)
+            eps = float(config.rms_norm_eps)
+            self.norm = family.norm(self.hidden_size, eps=eps) if last else None
+            self.lm_head = (
+                nn.Linear(self.hidden_size, self.vocab_size, bias=False) if last else None
+            )
+        self.rotary = family.rotary(config=self.stage_config)
+
+    @property
+    def is_first(self) -> bool:
+        return self.embed is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.stage_config)
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        """Run this stage's layers over one chunk of one sequence.
+
+        inputs: [1, T] token ids on the first stage, else [1, T, H] hidden states.
+        Returns [1, T, H] hidden states, or on the last stage [1, V] float32 logits of the
+        chunk's final position.
+        """
+        hidden = self.embed(inputs) if self.embed is not None else inputs  # [1, T, H]
+        past = cache.get_seq_length()
+        position_ids = torch.arange(past, past + hidden.shape[1]).unsqueeze(0)  # [1, T]
+        mask = create_causal_mask(
+            config=self.stage_config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            cache=cache,
+            position_ids=position_ids,
+        )
+        position_embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        if self.norm is None or self.lm_head is None:
+            return hidden
+        # [1, 1, H], not [1, H]: the 3-D matmul is the kernel `generate` uses, so the
+        # logits are bit-identical to a plain transformers run.
+        last = self.norm(hidden[:, -1:, :])
+        return self.lm_head(last)[:, -1, :].float()  # [1, V]
+
+
+def _stage_config(config: PretrainedConfig, layers: LayerRange) -> PretrainedConfig:
+    stage_config = copy.deepcopy(config)
+    stage_config.num_hidden_layers = layers.size
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        stage_config.layer_types = list(layer_types[layers.start : layers.end])
+    # sdpa is what transformers picks on CPU for the full model; the same kernel keeps the
+    # stage's numbers equal to a plain `generate`.
+    stage_config._attn_implementation = "sdpa"
+    return stage_config
+
+
+def stage_weight_names(stage: StageModule, config: PretrainedConfig) -> dict[str, str]:
+    """Map each parameter name of the stage to its name in a Hugging Face checkpoint."""
+    layers = stage.layers_range
+    names: dict[str, str] = {}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for name, _ in stage.named_parameters():
+        if name.startswith("embed."):
+            names[name] = "model.embed_tokens." + name.removeprefix("embed.")
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            names[name] = f"model.layers.{int(index) + layers.start}.{rest}"
+        elif name.startswith("norm."):
+            names[name] = "model." + name
+        elif name == "lm_head.weight":
+            names[name] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        else:
+            raise ModelLoadError(f"No checkpoint name for stage parameter '{name}'")
+    return names
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of a checkpoint directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"No .safetensors files in {model_dir}")
+    located: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                located[name] = file
+    return located
+
+
+def load_stage(
+    model_dir: Path, config: PretrainedConfig, layers: LayerRange, dtype: torch.dtype
+) -> StageModule:
+    """Build the stage for `layers` and read only its tensors from `model_dir`."""
+    stage = StageModule(config, layers)
+    names = stage_weight_names(stage, config)
+    files = _tensor_files(model_dir)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for stage_name, ckpt_name in names.items():
+        if ckpt_name not in files:
+            raise ModelLoadError(f"Tensor '{ckpt_name}' is missing from {model_dir}")
+        by_file.setdefault(files[ckpt_name], []).append((stage_name, ckpt_name))
+    state: dict[str, torch.Tensor] = {}
+    for file, pairs in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for stage_name, ckpt_name in pairs:
+                state[stage_name] = handle.get_tensor(ckpt_name).to(dtype)
+    stage.load_state_dict(state, strict=False, assign=True)
+    meta = [n for n, p in stage.named_parameters() if p.is_meta]
+    if meta:
+        raise ModelLoadError(f"Stage {layers} has parameters with no weights: {meta[:5]}")
+    # Tensors are cast one by one above, never the module: casting the module would also
+    # cast the rotary inv_freq buffer and shift positions in half precision.
+    return stage.eval()

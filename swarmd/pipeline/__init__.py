@@ -1,0 +1,7 @@
+"""Generation across stages: the coordinator's side of every request.
+
+- `coordinator.py`  `Coordinator`: admission, route choice, the DIAG line per request
+- `generation.py`   `Generation`: chunked prefill, decode loop, stop strings, timings
+- `chain.py`        `StageChain` protocol, `Hop`, `LocalChain` (this node holds all layers)
+- `report.py`       `RequestRecord` (the DIAG line), `RequestRing` (recent requests)
+"""

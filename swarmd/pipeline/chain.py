@@ -1,0 +1,81 @@
+"""Stage chains: the coordinator's view of a route, as `open` / `step` / `close`.
+
+`LocalChain` is the route of one stage this node holds whole; remote chains over
+libp2p implement the same three calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from swarmd.errors import InternalError
+from swarmd.model.layers import LayerRange
+from swarmd.model.runtime import StageRuntime
+from swarmd.model.sampling import SamplingParams
+from swarmd.model.worker import TorchWorker
+
+
+@dataclass(frozen=True)
+class Hop:
+    short_id: str  # the node's short id (last 8 chars of its peer id)
+    layers: LayerRange
+    local: bool
+
+
+class StageChain(Protocol):
+    hops: list[Hop]
+
+    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None: ...
+
+    async def step(self, token_ids: list[int], want_token: bool) -> int | None: ...
+
+    async def close(self) -> None: ...
+
+    def stage_seconds(self) -> list[float]: ...
+
+    def activation_bytes(self) -> int: ...
+
+
+class LocalChain:
+    """A route of one hop: this node runs every layer on its torch worker."""
+
+    def __init__(
+        self, runtime: StageRuntime, worker: TorchWorker, hop: Hop, step_timeout_s: float
+    ) -> None:
+        self.hops = [hop]
+        self._runtime = runtime
+        self._worker = worker
+        self._timeout_s = step_timeout_s
+        self._session_id: str | None = None
+        self._compute_s = 0.0
+
+    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None:
+        await self._worker.call(
+            lambda: self._runtime.open(session_id, max_length, sampling), self._timeout_s
+        )
+        self._session_id = session_id
+
+    async def step(self, token_ids: list[int], want_token: bool) -> int | None:
+        session_id = self._session_id
+        if session_id is None:
+            raise InternalError("step() before open()")
+        inputs = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
+        result = await self._worker.call(
+            lambda: self._runtime.step(session_id, inputs, want_token), self._timeout_s
+        )
+        self._compute_s += result.compute_s
+        return result.token
+
+    async def close(self) -> None:
+        session_id, self._session_id = self._session_id, None
+        if session_id is not None:
+            await self._worker.call(lambda: self._runtime.close(session_id), self._timeout_s)
+
+    def stage_seconds(self) -> list[float]:
+        return [self._compute_s]
+
+    def activation_bytes(self) -> int:
+        return 0  # nothing leaves the process

@@ -1,0 +1,147 @@
+"""`Coordinator`: admits a request, picks its route, runs it, and reports it.
+
+The node that receives an API request coordinates it. Until the swarm layer lands the
+only route is this node itself, holding the whole model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from swarmd.errors import ModelNotFoundError, NoRouteError, OverloadedError
+from swarmd.model.loader import LoadedModel
+from swarmd.model.runtime import StageRuntime
+from swarmd.model.worker import TorchWorker
+from swarmd.pipeline.chain import Hop, LocalChain, StageChain
+from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
+from swarmd.pipeline.report import RequestRecord, RequestRing
+
+log = logging.getLogger("swarmd.requests")
+
+
+@dataclass(frozen=True)
+class CoordinatorLimits:
+    max_sessions: int  # generations in flight on this node
+    queue_timeout_s: float  # longest wait for a free slot
+    step_timeout_s: float  # longest single model step
+    prefill_chunk_tokens: int
+
+
+class Coordinator:
+    def __init__(
+        self,
+        model: LoadedModel,
+        runtime: StageRuntime,
+        worker: TorchWorker,
+        short_id: str,
+        limits: CoordinatorLimits,
+    ) -> None:
+        self.model = model
+        self.runtime = runtime
+        self.short_id = short_id
+        self.ring = RequestRing()
+        self.in_flight = 0
+        self._worker = worker
+        self._limits = limits
+        self._slots = asyncio.Semaphore(limits.max_sessions)
+
+    def resolve(self, model_id: str) -> LoadedModel:
+        if model_id != self.model.model_id:
+            raise ModelNotFoundError(model_id, [self.model.model_id])
+        return self.model
+
+    def plan(self) -> StageChain:
+        model = self.model
+        if not model.is_whole:
+            missing = [(0, model.layers.start)] if model.layers.start > 0 else []
+            if model.layers.end < model.num_layers:
+                missing.append((model.layers.end, model.num_layers))
+            raise NoRouteError(model.model_id, missing)
+        hop = Hop(self.short_id, model.layers, local=True)
+        return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
+
+    @asynccontextmanager
+    async def generation(
+        self,
+        request: GenerationRequest,
+        timing: Timing,
+        client_gone: Callable[[], bool] = lambda: False,
+    ) -> AsyncIterator[Generation]:
+        """Admit, route and run one request; log its DIAG line however it ends."""
+        gen: Generation | None = None
+        error: BaseException | None = None
+        acquired = False
+        try:
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self._limits.queue_timeout_s)
+            except TimeoutError as exc:
+                raise OverloadedError(
+                    f"All {self._limits.max_sessions} generation slots stayed busy for "
+                    f"{self._limits.queue_timeout_s:g} s"
+                ) from exc
+            acquired = True
+            self.in_flight += 1
+            timing.queue_s = timing.since_received()
+            sched_started = time.perf_counter()
+            chain = self.plan()
+            timing.sched_s = time.perf_counter() - sched_started
+            gen = Generation(
+                request,
+                chain,
+                self.model.codec,
+                self._limits.prefill_chunk_tokens,
+                timing,
+                client_gone,
+            )
+            yield gen
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if gen is not None:
+                # Free the KV cache even when the handler is being cancelled.
+                await asyncio.shield(gen.chain.close())
+            if acquired:
+                self.in_flight -= 1
+                self._slots.release()
+            timing.total_s = timing.since_received()
+            self.report(self._record(request, timing, gen, error))
+
+    def report(self, record: RequestRecord) -> None:
+        self.ring.add(record)
+        log.info(record.diag_line())
+
+    def _record(
+        self,
+        request: GenerationRequest,
+        timing: Timing,
+        gen: Generation | None,
+        error: BaseException | None,
+    ) -> RequestRecord:
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else seconds * 1000.0
+
+        chain = gen.chain if gen is not None else None
+        return RequestRecord(
+            request_id=request.request_id,
+            model=request.model_id,
+            route="local" if chain is None or len(chain.hops) == 1 else "distributed",
+            nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
+            outcome="ok" if error is None else "error",
+            error_type=None if error is None else type(error).__name__,
+            queue_ms=ms(timing.queue_s),
+            sched_ms=ms(timing.sched_s),
+            ttft_ms=ms(timing.ttft_s),
+            decode_ms=ms(timing.decode_s),
+            total_ms=ms(timing.total_s),
+            prompt_tokens=len(request.prompt_ids),
+            tokens=gen.completion_tokens if gen is not None and gen.tokens else None,
+            stage_ms=tuple(s * 1000.0 for s in chain.stage_seconds()) if chain else (),
+            activation_bytes=chain.activation_bytes() if chain is not None else None,
+            failovers=0 if chain is not None else None,
+        )

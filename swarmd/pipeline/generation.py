@@ -1,0 +1,129 @@
+"""One generation on a chain of stages: chunked prefill, then one token per step.
+
+The loop is the coordinator's: it sends prompt chunks and tokens into the chain, turns
+sampled tokens into text, cuts at stop strings and end-of-sequence, and keeps timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from swarmd.errors import ClientDisconnectedError, InternalError
+from swarmd.model.sampling import SamplingParams
+from swarmd.model.text import IncrementalDetokenizer, StopMatcher, TextCodec
+from swarmd.pipeline.chain import StageChain
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    model_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+
+
+@dataclass
+class Timing:
+    """Seconds of each phase; None until measured."""
+
+    received: float = field(default_factory=time.perf_counter)
+    queue_s: float | None = None
+    sched_s: float | None = None
+    ttft_s: float | None = None  # from receipt to the first token
+    decode_s: float | None = None  # from the first token to the last
+    total_s: float | None = None
+
+    def since_received(self) -> float:
+        return time.perf_counter() - self.received
+
+
+class Generation:
+    """Drives one request through a chain; iterate `events()` once."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        chain: StageChain,
+        codec: TextCodec,
+        chunk: int,
+        timing: Timing,
+        client_gone: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.request = request
+        self._client_gone = client_gone
+        self.chain = chain
+        self.timing = timing
+        self.tokens: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self._codec = codec
+        self._chunk = chunk
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    async def events(self) -> AsyncIterator[Delta | Finished]:
+        req = self.request
+        detok = IncrementalDetokenizer(self._codec)
+        stops = StopMatcher(req.stop)
+        max_length = len(req.prompt_ids) + req.max_tokens
+        await self.chain.open(req.request_id, max_length, req.sampling)
+        token = await self._prefill()
+        self.timing.ttft_s = self.timing.since_received()
+        first_token_at = time.perf_counter()
+        while True:
+            self.tokens.append(token)
+            if token in self._codec.eos_ids:
+                self.finish_reason = "stop"
+                break
+            text = stops.feed(detok.add(token))
+            if text:
+                yield Delta(text)
+            if stops.stopped:
+                self.finish_reason = "stop"
+                break
+            if len(self.tokens) >= req.max_tokens:
+                self.finish_reason = "length"
+                break
+            token = await self._decode_one_token(token)
+        self.timing.decode_s = time.perf_counter() - first_token_at
+        tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
+        if tail:
+            yield Delta(tail)
+        yield Finished(self.finish_reason)
+
+    async def _prefill(self) -> int:
+        prompt = self.request.prompt_ids
+        token: int | None = None
+        for start in range(0, len(prompt), self._chunk):
+            chunk = prompt[start : start + self._chunk]  # [<= chunk]
+            token = await self.chain.step(chunk, want_token=start + self._chunk >= len(prompt))
+        if token is None:
+            raise InternalError("prefill produced no token")
+        return token
+
+    async def _decode_one_token(self, token: int) -> int:
+        # Checked before every step, so a client that left costs at most one more token.
+        if self._client_gone():
+            raise ClientDisconnectedError("The client closed the connection")
+        nxt = await self.chain.step([token], want_token=True)
+        if nxt is None:
+            raise InternalError("decode step produced no token")
+        return nxt
