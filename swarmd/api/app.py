@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from swarmd import __version__
+from swarmd.api import keys
 from swarmd.api.completions import chat_completions, completions
 from swarmd.api.errors import Handler, error_middleware
 
@@ -18,10 +19,10 @@ if TYPE_CHECKING:
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request["request_id"] = str(uuid.uuid4())
+    request[keys.REQUEST_ID] = str(uuid.uuid4())
     response = await handler(request)
     if not response.prepared:
-        response.headers.setdefault("x-swarm-request-id", request["request_id"])
+        response.headers.setdefault("x-swarm-request-id", request[keys.REQUEST_ID])
     return response
 
 
@@ -30,10 +31,10 @@ def create_app(node: Node) -> web.Application:
         client_max_size=node.config.max_body_bytes,
         middlewares=[request_id_middleware, error_middleware],
     )
-    app["node"] = node
-    app["coordinator"] = node.coordinator
-    app["max_body_bytes"] = node.config.max_body_bytes
-    app["default_temperature"] = node.config.default_temperature
+    app[keys.NODE] = node
+    app[keys.COORDINATOR] = node.coordinator
+    app[keys.MAX_BODY_BYTES] = node.config.max_body_bytes
+    app[keys.DEFAULT_TEMPERATURE] = node.config.default_temperature
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -42,7 +43,7 @@ def create_app(node: Node) -> web.Application:
 
 
 async def health(request: web.Request) -> web.Response:
-    node: Node = request.app["node"]
+    node: Node = request.app[keys.NODE]
     model = node.model
     body: dict[str, Any] = {
         "status": "ok",
@@ -65,7 +66,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    node: Node = request.app["node"]
+    node: Node = request.app[keys.NODE]
     model = node.model
     entry = {
         "id": model.model_id,

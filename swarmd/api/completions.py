@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from swarmd.api import keys
 from swarmd.api.errors import classify
 from swarmd.api.schemas import (
     ChatCompletionRequest,
@@ -195,9 +196,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
-    coordinator: Coordinator = request.app["coordinator"]
+    coordinator: Coordinator = request.app[keys.COORDINATOR]
     timing = Timing()
-    request_id: str = request["request_id"]
+    request_id: str = request[keys.REQUEST_ID]
     model_name = "-"
     prompt_ids: list[int] = []
     try:
@@ -220,7 +221,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_id=model.model_id,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=_sampling(req, model, request.app["default_temperature"]),
+            sampling=_sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE]),
             stop=req.stop_list(),
         )
     except (SwarmError, web.HTTPException) as exc:
@@ -269,7 +270,7 @@ def _client_gone(request: web.Request) -> bool:
 async def _whole(
     request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
 ) -> web.Response:
-    coordinator: Coordinator = request.app["coordinator"]
+    coordinator: Coordinator = request.app[keys.COORDINATOR]
     async with coordinator.generation(gen_request, timing, lambda: _client_gone(request)) as gen:
         parts = [event.text async for event in gen.events() if isinstance(event, Delta)]
         text = "".join(parts)
@@ -301,7 +302,7 @@ async def _whole(
 async def _stream(
     request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
 ) -> web.StreamResponse:
-    coordinator: Coordinator = request.app["coordinator"]
+    coordinator: Coordinator = request.app[keys.COORDINATOR]
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )

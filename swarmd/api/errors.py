@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from swarmd.api import keys
 from swarmd.errors import (
     AuthError,
     ClientDisconnectedError,
@@ -67,7 +68,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         if exc.status == 413:
-            message = f"Request body too large: the limit is {request.app['max_body_bytes']} bytes"
+            message = (
+                f"Request body too large: the limit is {request.app[keys.MAX_BODY_BYTES]} bytes"
+            )
             code = "payload_too_large"
         else:
             message, code = exc.reason, None

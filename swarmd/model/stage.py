@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from swarmd.errors import ModelLoadError
 from swarmd.model.families import family_for
@@ -50,6 +50,7 @@ class StageModule(nn.Module):
                 nn.Linear(self.hidden_size, self.vocab_size, bias=False) if last else None
             )
         self.rotary = family.rotary(config=self.stage_config)
+        self.mask_kinds = _mask_kinds(config, layers)
 
     @property
     def is_first(self) -> bool:
@@ -73,18 +74,21 @@ class StageModule(nn.Module):
         hidden = self.embed(inputs) if self.embed is not None else inputs  # [1, T, H]
         past = cache.get_seq_length()
         position_ids = torch.arange(past, past + hidden.shape[1]).unsqueeze(0)  # [1, T]
-        mask = create_causal_mask(
-            config=self.stage_config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=cache,
-            position_ids=position_ids,
-        )
+        masks = {
+            kind: _MASK_BUILDERS[kind](
+                config=self.stage_config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                cache=cache,
+                position_ids=position_ids,
+            )
+            for kind in set(self.mask_kinds)
+        }
         position_embeddings = self.rotary(hidden, position_ids)
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, self.mask_kinds, strict=True):
             hidden = layer(
                 hidden,
-                attention_mask=mask,
+                attention_mask=masks[kind],
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=True,
@@ -96,6 +100,27 @@ class StageModule(nn.Module):
         # logits are bit-identical to a plain transformers run.
         last = self.norm(hidden[:, -1:, :])
         return self.lm_head(last)[:, -1, :].float()  # [1, V]
+
+
+_MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+
+def _mask_kinds(config: PretrainedConfig, layers: LayerRange) -> list[str]:
+    """The attention mask each layer of the range needs, as its full model builds it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = list(layer_types[layers.start : layers.end])
+    elif config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        kinds = ["sliding_attention"] * layers.size  # Mistral slides on every layer
+    else:
+        kinds = ["full_attention"] * layers.size
+    unknown = set(kinds) - set(_MASK_BUILDERS)
+    if unknown:
+        raise ModelLoadError(f"Unsupported attention layer types: {sorted(unknown)}")
+    return kinds
 
 
 def _stage_config(config: PretrainedConfig, layers: LayerRange) -> PretrainedConfig:

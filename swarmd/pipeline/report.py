@@ -34,7 +34,7 @@ class RequestRecord:
 
     @property
     def tpot_ms(self) -> float | None:
-        if self.tokens is None or self.tokens < 2 or self.decode_ms is None:
+        if self.tokens is None or self.tokens < 2 or not self.decode_ms:
             return None
         return self.decode_ms / (self.tokens - 1)
 

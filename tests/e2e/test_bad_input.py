@@ -1,0 +1,194 @@
+"""Bad requests get the right 4xx in OpenAI's error shape, and the node keeps serving."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.conftest import NodeProcess, http_json
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "smollm2-135m-instruct"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+# (name, path, body, status, param, code)
+CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
+    ("body not JSON", "chat", b"{not json", 400, None, "invalid_value"),
+    ("JSON array body", "chat", b"[1, 2]", 400, None, "invalid_value"),
+    ("empty body", "chat", b"", 400, None, "invalid_value"),
+    ("missing messages", "chat", {"model": MODEL}, 400, "messages", "invalid_value"),
+    ("missing model", "chat", {"messages": USER}, 400, "model", "invalid_value"),
+    ("empty messages", "chat", chat(messages=[]), 400, "messages", "invalid_value"),
+    ("temperature -1", "chat", chat(temperature=-1), 400, "temperature", "invalid_value"),
+    ("temperature 3", "chat", chat(temperature=3), 400, "temperature", "invalid_value"),
+    ("top_p 2", "chat", chat(top_p=2), 400, "top_p", "invalid_value"),
+    ("max_tokens 0", "chat", chat(max_tokens=0), 400, "max_tokens", "invalid_value"),
+    ("max_tokens -5", "chat", chat(max_tokens=-5), 400, "max_tokens", "invalid_value"),
+    (
+        "unknown role",
+        "chat",
+        chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages[0].role",
+        "invalid_value",
+    ),
+    ("temperature as string", "chat", chat(temperature="0.5"), 400, "temperature", "invalid_value"),
+    ("max_tokens as float", "chat", chat(max_tokens=1.5), 400, "max_tokens", "invalid_value"),
+    ("stream as string", "chat", chat(stream="yes"), 400, "stream", "invalid_value"),
+    ("messages as string", "chat", chat(messages="hi"), 400, "messages", "invalid_value"),
+    (
+        "content as number",
+        "chat",
+        chat(messages=[{"role": "user", "content": 5}]),
+        400,
+        "messages[0].content",
+        "invalid_value",
+    ),
+    ("stop as number", "chat", chat(stop=5), 400, "stop", "invalid_value"),
+    ("unknown field", "chat", chat(bogus=1), 400, "bogus", "invalid_value"),
+    ("n 2", "chat", chat(n=2), 400, "n", "unsupported_parameter"),
+    (
+        "tools",
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        "tools",
+        "unsupported_parameter",
+    ),
+    ("logprobs", "chat", chat(logprobs=True), 400, "logprobs", "unsupported_parameter"),
+    (
+        "json response_format",
+        "chat",
+        chat(response_format={"type": "json_object"}),
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        "stream_options without stream",
+        "chat",
+        chat(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        "invalid_value",
+    ),
+    ("logit_bias bad key", "chat", chat(logit_bias={"x": 1}), 400, "logit_bias", "invalid_value"),
+    (
+        "prompt over the context",
+        "chat",
+        chat(messages=[{"role": "user", "content": "hello " * 9000}]),
+        400,
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "prompt + max_tokens over the context",
+        "chat",
+        chat(max_tokens=8190),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    (
+        "completions: echo",
+        "text",
+        {"model": MODEL, "prompt": "a", "echo": True},
+        400,
+        "echo",
+        "unsupported_parameter",
+    ),
+    (
+        "completions: two prompts",
+        "text",
+        {"model": MODEL, "prompt": ["a", "b"]},
+        400,
+        "prompt",
+        "unsupported_parameter",
+    ),
+    (
+        "completions: token id out of range",
+        "text",
+        {"model": MODEL, "prompt": [10**9]},
+        400,
+        "prompt",
+        "invalid_value",
+    ),
+    ("completions: missing prompt", "text", {"model": MODEL}, 400, "prompt", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_bad_request(
+    embedded_node: NodeProcess,
+    path: str,
+    body: Any,
+    status: int,
+    param: str | None,
+    code: str | None,
+) -> None:
+    endpoint = "/v1/chat/completions" if path == "chat" else "/v1/completions"
+    got_status, got, headers = http_json(embedded_node.url + endpoint, body)
+    assert got_status == status, got
+    assert set(got) == {"error"}
+    error = got["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["code"] == code
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    assert "x-swarm-request-id" in {k.lower() for k in headers}
+
+
+def test_unknown_model_is_404(embedded_node: NodeProcess) -> None:
+    status, body, _ = http_json(embedded_node.url + "/v1/chat/completions", chat(model="gpt-9"))
+    assert status == 404
+    assert body["error"]["param"] == "model"
+    assert body["error"]["code"] == "model_not_found"
+    assert "gpt-9" in body["error"]["message"]
+
+
+def test_body_over_the_limit_is_413(embedded_node: NodeProcess) -> None:
+    huge = json.dumps(chat(messages=[{"role": "user", "content": "x" * (2 << 20)}])).encode()
+    status, body, _ = http_json(embedded_node.url + "/v1/chat/completions", huge)
+    assert status == 413
+    assert body["error"]["code"] == "payload_too_large"
+
+
+def test_unknown_path_and_wrong_method(embedded_node: NodeProcess) -> None:
+    status, body, _ = http_json(embedded_node.url + "/v1/nothing", {})
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+    try:
+        urllib.request.urlopen(embedded_node.url + "/v1/chat/completions", timeout=10)
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 405
+        assert json.loads(exc.read())["error"]["message"].startswith("Method GET")
+    else:
+        pytest.fail("GET on a POST endpoint was accepted")
+
+
+def test_node_still_serves_after_bad_input(embedded_node: NodeProcess) -> None:
+    for case in CASES:
+        endpoint = "/v1/chat/completions" if case[1] == "chat" else "/v1/completions"
+        http_json(embedded_node.url + endpoint, case[2])
+    status, body, _ = http_json(
+        embedded_node.url + "/v1/chat/completions", chat(max_tokens=3, temperature=0)
+    )
+    assert status == 200
+    assert body["usage"]["completion_tokens"] == 3
+    assert embedded_node.proc.poll() is None
+    rejected = embedded_node.log_text().count("outcome=error error_type=InvalidRequestError")
+    assert rejected >= 20  # every rejected request still left its DIAG line

@@ -1,0 +1,235 @@
+"""The DIAG line a finished request prints, and the ring of recent requests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from swarmd.pipeline.report import RequestRecord, RequestRing
+
+PREFIX = "DIAG: request complete "
+
+
+def record(**changes: object) -> RequestRecord:
+    """A minimal record: only the required fields, everything optional left unmeasured."""
+    base = RequestRecord(request_id="req-1", model="m", route="local", nodes=[], outcome="ok")
+    return dataclasses.replace(base, **changes)
+
+
+def fields(line: str) -> dict[str, str]:
+    assert line.startswith(PREFIX)
+    pairs = [part.split("=", 1) for part in line[len(PREFIX) :].split(" ")]
+    assert all(len(p) == 2 for p in pairs), line
+    return dict(pairs)
+
+
+def keys(line: str) -> list[str]:
+    return list(fields(line))
+
+
+# --- diag_line ---------------------------------------------------------------------------
+
+
+def test_minimal_record_prints_only_what_was_measured() -> None:
+    line = record().diag_line()
+    assert line == "DIAG: request complete request_id=req-1 route=local model=m outcome=ok"
+
+
+def test_unmeasured_fields_are_absent_not_zero_or_none() -> None:
+    line = record(tokens=1).diag_line()
+    for name in (
+        "segments",
+        "nodes",
+        "queue_ms",
+        "sched_ms",
+        "ttft_ms",
+        "decode_ms",
+        "total_ms",
+        "prompt_tokens",
+        "tok_per_sec",
+        "tpot_ms",
+        "seg0_ms",
+        "activation_bytes",
+        "failovers",
+        "error_type",
+    ):
+        assert f"{name}=" not in line
+    assert "None" not in line
+    assert fields(line)["tokens"] == "1"
+
+
+def test_measured_zeros_are_printed() -> None:
+    line = record(queue_ms=0.0, failovers=0, activation_bytes=0, prompt_tokens=0).diag_line()
+    got = fields(line)
+    assert got["queue_ms"] == "0.0"
+    assert got["failovers"] == "0"
+    assert got["activation_bytes"] == "0"
+    assert got["prompt_tokens"] == "0"
+
+
+def test_full_distributed_record() -> None:
+    rec = RequestRecord(
+        request_id="req-42",
+        model="smollm2-135m-instruct",
+        route="distributed",
+        nodes=["a1b2", "c3d4", "e5f6"],
+        outcome="ok",
+        queue_ms=1.26,
+        sched_ms=0.5,
+        ttft_ms=120.0,
+        decode_ms=900.0,
+        total_ms=1021.76,
+        prompt_tokens=30,
+        tokens=10,
+        stage_ms=(12.0, 30.44, 0.25),
+        activation_bytes=4096,
+        failovers=1,
+    )
+    line = rec.diag_line()
+    assert line.startswith("DIAG: request complete request_id=req-42 ")
+    assert fields(line) == {
+        "request_id": "req-42",
+        "route": "distributed",
+        "segments": "3",
+        "model": "smollm2-135m-instruct",
+        "nodes": "a1b2,c3d4,e5f6",
+        "queue_ms": "1.3",
+        "sched_ms": "0.500",
+        "ttft_ms": "120.0",
+        "decode_ms": "900.0",
+        "total_ms": "1021.8",
+        "prompt_tokens": "30",
+        "tokens": "10",
+        "tok_per_sec": "10.0",  # 9 tokens after the first in 0.9 s
+        "tpot_ms": "100.0",
+        "seg0_ms": "12.0",
+        "seg1_ms": "30.4",
+        "seg2_ms": "0.250",
+        "activation_bytes": "4096",
+        "failovers": "1",
+        "outcome": "ok",
+    }
+    assert keys(line) == [
+        "request_id",
+        "route",
+        "segments",
+        "model",
+        "nodes",
+        "queue_ms",
+        "sched_ms",
+        "ttft_ms",
+        "decode_ms",
+        "total_ms",
+        "prompt_tokens",
+        "tokens",
+        "tok_per_sec",
+        "tpot_ms",
+        "seg0_ms",
+        "seg1_ms",
+        "seg2_ms",
+        "activation_bytes",
+        "failovers",
+        "outcome",
+    ]
+
+
+def test_segment_times_follow_route_order() -> None:
+    line = record(nodes=["n0", "n1", "n2", "n3"], stage_ms=(4.0, 3.0, 2.0, 1.0)).diag_line()
+    seg_keys = [k for k in keys(line) if k.startswith("seg") and k != "segments"]
+    assert seg_keys == ["seg0_ms", "seg1_ms", "seg2_ms", "seg3_ms"]
+    assert [fields(line)[k] for k in seg_keys] == ["4.0", "3.0", "2.0", "1.0"]
+    assert fields(line)["segments"] == "4"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "decode_ms", "tok_per_sec", "tpot_ms"),
+    [
+        (11, 500.0, 20.0, 50.0),  # 10 tokens after the first in 0.5 s
+        (2, 40.0, 25.0, 40.0),
+        (101, 2000.0, 50.0, 20.0),
+        (5, 3.0, 1333.333, 0.75),
+    ],
+)
+def test_speed_is_computed_from_tokens_after_the_first(
+    tokens: int, decode_ms: float, tok_per_sec: float, tpot_ms: float
+) -> None:
+    rec = record(tokens=tokens, decode_ms=decode_ms)
+    assert rec.tok_per_sec == pytest.approx(tok_per_sec, rel=1e-4)
+    assert rec.tpot_ms == pytest.approx(tpot_ms, rel=1e-4)
+    got = fields(rec.diag_line())
+    assert float(got["tok_per_sec"]) == pytest.approx(tok_per_sec, abs=0.06)
+    assert float(got["tpot_ms"]) == pytest.approx(tpot_ms, abs=0.06)
+
+
+@pytest.mark.parametrize("tokens", [None, 0, 1])
+def test_speed_is_absent_below_two_tokens(tokens: int | None) -> None:
+    rec = record(tokens=tokens, decode_ms=250.0)
+    assert rec.tok_per_sec is None
+    assert rec.tpot_ms is None
+    line = rec.diag_line()
+    assert "tok_per_sec=" not in line
+    assert "tpot_ms=" not in line
+    assert fields(line)["decode_ms"] == "250.0"
+
+
+def test_speed_is_absent_without_decode_time() -> None:
+    rec = record(tokens=12)
+    assert rec.tok_per_sec is None
+    assert rec.tpot_ms is None
+    assert "tok_per_sec=" not in rec.diag_line()
+
+
+def test_error_outcome_and_type_come_last() -> None:
+    line = record(outcome="error", error_type="ContextLengthError", ttft_ms=3.5).diag_line()
+    assert line.endswith(" outcome=error error_type=ContextLengthError")
+    assert keys(line)[-2:] == ["outcome", "error_type"]
+
+
+def test_ok_outcome_has_no_error_type() -> None:
+    line = record(outcome="ok").diag_line()
+    assert line.endswith(" outcome=ok")
+    assert "error_type" not in line
+
+
+def test_float_formatting() -> None:
+    got = fields(record(queue_ms=0.0123, sched_ms=7.0, ttft_ms=0.999, total_ms=1.04).diag_line())
+    assert got["queue_ms"] == "0.012"  # below 1 ms: three decimals
+    assert got["sched_ms"] == "7.0"
+    assert got["ttft_ms"] == "0.999"
+    assert got["total_ms"] == "1.0"
+
+
+# --- RequestRing -------------------------------------------------------------------------
+
+
+def test_ring_keeps_the_last_n_in_order() -> None:
+    ring = RequestRing(size=3)
+    for i in range(5):
+        ring.add(record(request_id=f"r{i}"))
+    assert [r.request_id for r in ring.recent()] == ["r2", "r3", "r4"]
+
+
+def test_ring_below_capacity_keeps_everything() -> None:
+    ring = RequestRing(size=3)
+    assert ring.recent() == []
+    ring.add(record(request_id="a"))
+    ring.add(record(request_id="b"))
+    assert [r.request_id for r in ring.recent()] == ["a", "b"]
+
+
+def test_ring_default_size_is_fifty() -> None:
+    ring = RequestRing()
+    for i in range(60):
+        ring.add(record(request_id=f"r{i}"))
+    ids = [r.request_id for r in ring.recent()]
+    assert ids == [f"r{i}" for i in range(10, 60)]
+
+
+def test_recent_is_a_copy() -> None:
+    ring = RequestRing(size=2)
+    ring.add(record(request_id="a"))
+    snapshot = ring.recent()
+    snapshot.clear()
+    ring.add(record(request_id="b"))
+    assert [r.request_id for r in ring.recent()] == ["a", "b"]
