@@ -60,6 +60,7 @@ class RunTiming:
     decode_s: float  # first token to last token
     chunks: int = 0  # API only: content chunks received
     foreign_cores: float | None = None  # CPU used by other processes during the run
+    request_id: str = ""  # API only: the node's x-swarm-request-id (matches its DIAG line)
 
     @property
     def decode_tok_s(self) -> float:
@@ -177,7 +178,7 @@ class CpuMeter:
 
     def wait_quiet(self) -> float | None:
         """Wait until other processes use under `quiet_cores`; returns their last figure."""
-        if not self.available:
+        if not self.available or self.quiet_timeout_s <= 0:
             return None
         deadline = time.monotonic() + self.quiet_timeout_s
         warned = False
@@ -188,10 +189,16 @@ class CpuMeter:
             if cores < self.quiet_cores:
                 return cores
             if time.monotonic() >= deadline:
-                print(f"  WARNING: other processes still use {cores:.2f} cores; running anyway")
+                print(
+                    f"  WARNING: other processes still use {cores:.2f} cores; running anyway",
+                    flush=True,
+                )
                 return cores
             if not warned:
-                print(f"  waiting for a quiet machine (other processes use {cores:.2f} cores)")
+                print(
+                    f"  waiting for a quiet machine (other processes use {cores:.2f} cores)",
+                    flush=True,
+                )
                 warned = True
 
     @staticmethod
@@ -419,6 +426,7 @@ async def stream_once(
     async with session.post(url + "/v1/chat/completions", data=payload, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"API answered {resp.status}: {await resp.text()}")
+        request_id = resp.headers.get("x-swarm-request-id", "")
         async for raw in resp.content:
             now = time.perf_counter()
             line = raw.strip()
@@ -459,7 +467,7 @@ async def stream_once(
     extra["usage"] = usage
     foreign = meter.cores_between(cpu_before, meter.snapshot()) if meter.available else None
     first, last = arrivals[0], arrivals[-1]
-    timing = RunTiming(first - started, tokens, last - first, len(arrivals), foreign)
+    timing = RunTiming(first - started, tokens, last - first, len(arrivals), foreign, request_id)
     return timing, extra
 
 
@@ -499,17 +507,27 @@ def run_api(args: argparse.Namespace, log_path: Path, meter: CpuMeter) -> PhaseR
         node.stop()
 
 
-def server_diag(log_path: Path, runs: int) -> dict[str, float]:
-    """Medians of the node's DIAG fields over the timed requests (the last `runs`)."""
-    records: list[dict[str, str]] = []
+def server_diag(log_path: Path, runs: list[RunTiming]) -> dict[str, float]:
+    """Medians of the node's DIAG fields (logged to stderr) over the counted requests."""
+    wanted = {t.request_id for t in runs}
+    timed: list[dict[str, str]] = []
     with contextlib.suppress(OSError):
         for line in log_path.read_text(errors="replace").splitlines():
             if "DIAG: request complete" in line:
                 fields = line.split("DIAG: request complete", 1)[1].split()
-                records.append(dict(f.split("=", 1) for f in fields if "=" in f))
+                record = dict(f.split("=", 1) for f in fields if "=" in f)
+                if record.get("request_id") in wanted:
+                    timed.append(record)
+    for record in timed:
+        # Time in the node outside the stage's forward passes (request handling, the
+        # worker hand-off, detokenizing, SSE writes), per generated token.
+        with contextlib.suppress(KeyError, ValueError, ZeroDivisionError):
+            busy = float(record["ttft_ms"]) + float(record["decode_ms"])
+            outside = (busy - float(record["seg0_ms"])) / int(record["tokens"])
+            record["outside_forward_ms_per_token"] = str(outside)
     out: dict[str, float] = {}
-    timed = records[-runs:]
-    for key in ("ttft_ms", "tok_per_sec", "tpot_ms", "seg0_ms", "decode_ms"):
+    keys = ("ttft_ms", "tok_per_sec", "tpot_ms", "seg0_ms", "outside_forward_ms_per_token")
+    for key in keys:
         values = [float(r[key]) for r in timed if key in r]
         if values:
             out[key] = statistics.median(values)
@@ -553,7 +571,7 @@ def report(
         f"{'decode ms/token':24}{plain_tpot:>10.2f}{api_tpot:>10.2f}{api_tpot - plain_tpot:>+16.2f}"
     )
     if diag:
-        fields = ", ".join(f"{k} {v:.1f}" for k, v in diag.items())
+        fields = ", ".join(f"{k} {v:.2f}" for k, v in diag.items())
         print(f"node DIAG (server side): {fields}")
     print(
         f"prompt tokens {len(plain.prompt_ids)}; same prompt ids: {_yn(same_prompt)}; "
@@ -579,6 +597,14 @@ def _yn(value: bool | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _bench(args)
+    except RuntimeError as exc:
+        print(f"bench: FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _bench(args: argparse.Namespace) -> int:
     meter = CpuMeter(args.quiet_cores, args.quiet_timeout, args.max_attempts or 3 * args.runs)
     model_dir = model_folder(args.cache_dir)
     print(f"model folder: {model_dir}")
@@ -589,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-") as scratch:
         log_path = args.node_log or Path(scratch) / "node.log"
         api = run_api(args, log_path, meter)
-        diag = server_diag(log_path, args.runs)
+        diag = server_diag(log_path, api.runs)
     report(plain, api, diag, args.threads, args.quiet_cores)
     return 0
 

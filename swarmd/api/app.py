@@ -61,6 +61,7 @@ async def health(request: web.Request) -> web.Response:
         ],
         "in_flight": node.coordinator.in_flight,
         "sessions": node.runtime.session_count,
+        "kv_cache_tokens": node.runtime.cached_tokens,
     }
     return web.json_response(body)
 

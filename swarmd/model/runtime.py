@@ -1,7 +1,7 @@
 """`StageRuntime`: one stage and its sessions, each with a KV cache and a sampler.
 
 Every method runs on the torch worker thread. A session lives from `open` to `close`;
-`sweep_idle` frees sessions whose coordinator went silent.
+the coordinator closes it however the reply ends.
 """
 
 from __future__ import annotations
@@ -95,15 +95,6 @@ class StageRuntime:
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
-
-    def sweep_idle(self, idle_timeout_s: float) -> list[str]:
-        now = time.monotonic()
-        expired = [
-            s.session_id for s in self._sessions.values() if now - s.last_used > idle_timeout_s
-        ]
-        for session_id in expired:
-            self.close(session_id)
-        return expired
 
     def _get(self, session_id: str) -> StageSession:
         session = self._sessions.get(session_id)

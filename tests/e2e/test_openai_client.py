@@ -241,7 +241,7 @@ def test_client_disconnect_stops_generation(embedded_node: NodeProcess) -> None:
 def test_health_stays_fast_during_a_long_prefill(embedded_node: NodeProcess) -> None:
     """Torch runs on its worker: /health answers while a long prompt is prefilled."""
     client = openai.OpenAI(base_url=f"{embedded_node.url}/v1", api_key="unused", max_retries=0)
-    long_prompt = "Summarise this text. " + "The quick brown fox jumps over the lazy dog. " * 300
+    long_prompt = "Summarise this text. " + "The quick brown fox jumps over the lazy dog. " * 150
     done = threading.Event()
 
     def generate() -> None:
@@ -286,8 +286,19 @@ def test_swarmd_chat_streams_to_the_terminal(
         max_tokens=24,
     )
     result = subprocess.run(
-        [sys.executable, "-m", "swarmd", "chat", prompt, "--url", embedded_node.url]
-        + ["--temperature", "0", "--max-tokens", "24"],
+        [
+            sys.executable,
+            "-m",
+            "swarmd",
+            "chat",
+            prompt,
+            "--url",
+            embedded_node.url,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "24",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

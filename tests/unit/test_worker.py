@@ -51,7 +51,7 @@ async def test_step_timeout_raises_its_own_error() -> None:
     worker = TorchWorker()
     worker.start()
     try:
-        with pytest.raises(StepTimeoutError, match="0.01 s"):
+        with pytest.raises(StepTimeoutError, match=r"0\.01 s"):
             await worker.call(lambda: time.sleep(0.3), 0.01)
         assert await worker.call(lambda: "next", 5) == "next"
     finally:
