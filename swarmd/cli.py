@@ -46,7 +46,6 @@ def run(
 ) -> None:
     """Run a node: serve the model over the OpenAI API (the embedded model by default)."""
     from swarmd.config import load_config
-    from swarmd.node import serve
 
     flags: dict[str, object] = {
         "model": model,
@@ -62,6 +61,7 @@ def run(
     try:
         cfg = load_config(flags, config, os.environ)
         _setup_logging(cfg.log_level)
+        from swarmd.node import serve  # torch and transformers: only once the config is good
         asyncio.run(serve(cfg))
     except SwarmError as exc:
         typer.echo(f"swarmd: error: {exc}", err=True)

@@ -37,6 +37,7 @@ def create_app(node: Node) -> web.Application:
     app[keys.DEFAULT_TEMPERATURE] = node.config.default_temperature
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model_detail)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     return app
@@ -68,8 +69,18 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
+    return web.json_response({"object": "list", "data": [_model_entry(node)]})
+
+
+async def model_detail(request: web.Request) -> web.Response:
+    node: Node = request.app[keys.NODE]
+    node.coordinator.resolve(request.match_info["model"])  # 404 for an unknown id
+    return web.json_response(_model_entry(node))
+
+
+def _model_entry(node: Node) -> dict[str, Any]:
     model = node.model
-    entry = {
+    return {
         "id": model.model_id,
         "object": "model",
         "created": int(node.started_wall),
@@ -85,4 +96,3 @@ async def models(request: web.Request) -> web.Response:
             "routable": model.is_whole,
         },
     }
-    return web.json_response({"object": "list", "data": [entry]})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -211,10 +212,13 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         model_name = req.model
         req.check_supported()
         model = coordinator.resolve(req.model)
+        # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
         if isinstance(req, ChatCompletionRequest):
-            prompt_ids, param = _chat_prompt(req, model), "messages"
+            prompt_ids = await asyncio.to_thread(_chat_prompt, req, model)
+            param = "messages"
         else:
-            prompt_ids, param = _text_prompt(req, model), "prompt"
+            prompt_ids = await asyncio.to_thread(_text_prompt, req, model)
+            param = "prompt"
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
         gen_request = GenerationRequest(
             request_id=request_id,

@@ -23,21 +23,35 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int, Field(ge=1)]
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    # Loose on purpose: an image part must reach check_supported to be refused by name.
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def check_supported(self, index: int) -> None:
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            where = f"messages[{index}].content[{j}]"
+            if part.type != "text":
+                raise UnsupportedError(
+                    f"Content parts of type '{part.type}' are not supported; only 'text'",
+                    f"{where}.type",
+                )
+            if part.text is None:
+                raise InvalidRequestError(f"Missing required parameter: '{where}.text'", where)
 
     def to_chat(self) -> ChatMessage:
         text = (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+            self.content
+            if isinstance(self.content, str)
+            else "".join(p.text or "" for p in self.content)
         )
         # Chat templates know no "developer" role; it is OpenAI's new name for system.
         return ChatMessage("system" if self.role == "developer" else self.role, text)
@@ -61,7 +75,7 @@ class _Sampling(BaseModel):
     stop: (
         str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
     ) = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # torch's seed range
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty = 0.0
@@ -114,6 +128,8 @@ class ChatCompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for index, message in enumerate(self.messages):
+            message.check_supported(index)
         for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"Tool and function calling is not supported ({name})", name)
@@ -161,10 +177,15 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # Python's json accepts NaN and Infinity; JSON does not, and neither do we.
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
@@ -193,7 +214,7 @@ def _param_path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "list[TextPart]") or "[" in str(part):
+        elif part in ("str", "list[str]", "list[int]", "list[ContentPart]") or "[" in str(part):
             continue  # pydantic names the union member it tried; the client never wrote it
         else:
             path += f".{part}" if path else str(part)

@@ -68,6 +68,8 @@ class TorchWorker:
             return
         self._queue.put(None)
         await self._stopped
+        # The thread settles `_stopped` on its last line; joining only waits for its return.
+        self._thread.join(timeout=5.0)
 
     def _run(self) -> None:
         loop = self._stopped.get_loop() if self._stopped is not None else None

@@ -81,6 +81,31 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         "stream_options",
         "invalid_value",
     ),
+    ("seed past torch's range", "chat", chat(seed=2**64), 400, "seed", "invalid_value"),
+    (
+        "NaN temperature",
+        "chat",
+        b'{"model": "m", "messages": [], "temperature": NaN}',
+        400,
+        None,
+        "invalid_value",
+    ),
+    (
+        "image content",
+        "chat",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages[0].content[0].type",
+        "unsupported_parameter",
+    ),
+    (
+        "text part without text",
+        "chat",
+        chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        400,
+        "messages[0].content[0]",
+        "invalid_value",
+    ),
     ("logit_bias bad key", "chat", chat(logit_bias={"x": 1}), 400, "logit_bias", "invalid_value"),
     (
         "prompt over the context",
@@ -166,6 +191,18 @@ def test_body_over_the_limit_is_413(embedded_node: NodeProcess) -> None:
     status, body, _ = http_json(embedded_node.url + "/v1/chat/completions", huge)
     assert status == 413
     assert body["error"]["code"] == "payload_too_large"
+
+
+def test_model_detail(embedded_node: NodeProcess) -> None:
+    with urllib.request.urlopen(f"{embedded_node.url}/v1/models/{MODEL}", timeout=10) as resp:
+        assert json.loads(resp.read())["id"] == MODEL
+    try:
+        urllib.request.urlopen(f"{embedded_node.url}/v1/models/gpt-9", timeout=10)
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 404
+        assert json.loads(exc.read())["error"]["param"] == "model"
+    else:
+        pytest.fail("an unknown model id was found")
 
 
 def test_unknown_path_and_wrong_method(embedded_node: NodeProcess) -> None:

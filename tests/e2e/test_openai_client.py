@@ -235,7 +235,10 @@ def test_client_disconnect_stops_generation(embedded_node: NodeProcess) -> None:
     )
     assert "outcome=error error_type=ClientDisconnectedError" in line
     tokens = int(re.search(r" tokens=(\d+)", line).group(1))  # type: ignore[union-attr]
-    assert tokens < 40, line  # stopped right away, not after 400 tokens
+    # The client saw one event per token after the role chunk; the node may finish the step
+    # in flight when the socket closes, and must stop there.
+    seen_tokens = received.count(b"data: ") - 1
+    assert tokens <= seen_tokens + 2, (tokens, seen_tokens, line)
 
 
 def test_health_stays_fast_during_a_long_prefill(embedded_node: NodeProcess) -> None:
