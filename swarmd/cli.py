@@ -62,6 +62,7 @@ def run(
         cfg = load_config(flags, config, os.environ)
         _setup_logging(cfg.log_level)
         from swarmd.node import serve  # torch and transformers: only once the config is good
+
         asyncio.run(serve(cfg))
     except SwarmError as exc:
         typer.echo(f"swarmd: error: {exc}", err=True)

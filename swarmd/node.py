@@ -16,6 +16,7 @@ from aiohttp import web
 
 from swarmd.api.app import create_app
 from swarmd.config import Config
+from swarmd.errors import ConfigError
 from swarmd.model.loader import LoadedModel, load_model
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.source import resolve_model
@@ -59,20 +60,22 @@ class Node:
         self._runner = web.AppRunner(create_app(self), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = self._bound_port(site)
-        self.api_url = f"http://{self.config.host}:{port}"
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ConfigError(
+                f"Cannot listen on {self.config.host}:{self.config.port}: {exc.strerror} "
+                "(is another node using that port? try --port)"
+            ) from exc
+        host, port = self._runner.addresses[0][:2]
+        self.api_url = f"http://{host}:{port}"
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
         await self.worker.stop()
-
-    def _bound_port(self, site: web.TCPSite) -> int:
-        server = site._server  # aiohttp keeps the asyncio server here
-        sockets = getattr(server, "sockets", None) or []
-        return int(sockets[0].getsockname()[1]) if sockets else self.config.port
 
 
 async def serve(config: Config) -> None:
@@ -82,8 +85,8 @@ async def serve(config: Config) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await node.start()
     try:
+        await node.start()
         model = node.model
         print(
             f"swarmd: serving {model.model_id} (layers {model.layers} of {model.num_layers}) "

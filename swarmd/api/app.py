@@ -22,7 +22,13 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
     request[keys.REQUEST_ID] = str(uuid.uuid4())
     response = await handler(request)
     if not response.prepared:
-        response.headers.setdefault("x-swarm-request-id", request[keys.REQUEST_ID])
+        headers = response.headers
+        headers.setdefault("x-swarm-request-id", request[keys.REQUEST_ID])
+        if request.path.startswith("/v1/") and "x-swarm-route" not in headers:
+            # Answered here before any stage ran (an error, or a model listing).
+            headers["x-swarm-route"] = "local"
+            headers["x-swarm-segments"] = "0"
+            headers["x-swarm-nodes"] = request.app[keys.NODE].identity.short_id
     return response
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -16,7 +17,7 @@ from swarmd.api.errors import classify
 from swarmd.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    _Sampling,
+    SamplingFields,
     parse_body,
     validate,
 )
@@ -29,8 +30,8 @@ from swarmd.errors import (
 from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline.coordinator import Coordinator
-from swarmd.pipeline.generation import Delta, Generation, GenerationRequest, Timing
-from swarmd.pipeline.report import RequestRecord
+from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
+from swarmd.pipeline.report import RequestRecord, ms
 
 Kind = Literal["chat", "text"]
 
@@ -64,6 +65,12 @@ class _Reply:
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
+    def whole_choice(self, text: str, finish: str | None) -> dict[str, Any]:
+        if self.kind == "text":
+            return self.choice(text, finish)
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {
             "id": self.reply_id,
@@ -84,7 +91,8 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 
 def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000.0, 2)
+    value = ms(seconds)
+    return None if value is None else round(value, 2)
 
 
 def _server_timing(timing: Timing, full: bool) -> str:
@@ -96,9 +104,8 @@ def _server_timing(timing: Timing, full: bool) -> str:
 
 def _route_headers(gen: Generation, request_id: str, full_timing: bool) -> dict[str, str]:
     hops = gen.chain.hops
-    local = len(hops) == 1 and hops[0].local
     return {
-        "x-swarm-route": "local" if local else "distributed",
+        "x-swarm-route": "local" if gen.chain.is_local else "distributed",
         "x-swarm-segments": str(len(hops)),
         "x-swarm-nodes": ",".join(hop.short_id for hop in hops),
         "x-swarm-request-id": request_id,
@@ -110,7 +117,7 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
     hops = gen.chain.hops
     t = gen.timing
     return {
-        "route": "local" if len(hops) == 1 and hops[0].local else "distributed",
+        "route": "local" if gen.chain.is_local else "distributed",
         "nodes": [hop.short_id for hop in hops],
         "segments": [
             {"node": hop.short_id, "layers": [hop.layers.start, hop.layers.end], "ms": _ms(s)}
@@ -154,14 +161,16 @@ def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_p
     return requested
 
 
-def _sampling(req: _Sampling, model: LoadedModel, default_temperature: float) -> SamplingParams:
+def _sampling(
+    req: SamplingFields, model: LoadedModel, default_temperature: float
+) -> SamplingParams:
     return SamplingParams(
         temperature=default_temperature if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=max(0, req.top_k or 0),
         min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=req.logit_bias_ids(model.stage.vocab_size),
         seed=req.seed,
     )
@@ -228,7 +237,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             sampling=_sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE]),
             stop=req.stop_list(),
         )
-    except (SwarmError, web.HTTPException) as exc:
+    except Exception as exc:  # every rejected request leaves its DIAG line, bugs included
         _report_rejected(coordinator, request_id, model_name, prompt_ids, timing, exc)
         raise
     reply = _Reply(
@@ -276,17 +285,8 @@ async def _whole(
 ) -> web.Response:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     async with coordinator.generation(gen_request, timing, lambda: _client_gone(request)) as gen:
-        parts = [event.text async for event in gen.events() if isinstance(event, Delta)]
-        text = "".join(parts)
-        if reply.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": gen.finish_reason,
-            }
-        else:
-            choice = reply.choice(text, gen.finish_reason)
+        text = "".join([event.text async for event in gen.events()])
+        choice = reply.whole_choice(text, gen.finish_reason)
         body: dict[str, Any] = {
             "id": reply.reply_id,
             "object": reply.object_name,
@@ -310,29 +310,34 @@ async def _stream(
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
+    client_gone = lambda: _client_gone(request)  # noqa: E731
     try:
-        async with coordinator.generation(
-            gen_request, timing, lambda: _client_gone(request)
-        ) as gen:
+        async with coordinator.generation(gen_request, timing, client_gone) as gen:
             response.headers.update(_route_headers(gen, gen_request.request_id, full_timing=False))
             await response.prepare(request)
             try:
                 await _write_events(response, gen, reply)
             except ConnectionResetError as exc:
                 raise ClientDisconnectedError("The client closed the stream") from exc
+            except ClientDisconnectedError:
+                raise
             except SwarmError as exc:
-                # Mid-stream: the status is already sent, so the error travels as an event.
-                _, body, _ = classify(exc)
-                await response.write(sse(body))
-                await response.write(sse("[DONE]"))
+                await _write_error(response, exc)
                 raise
     except ClientDisconnectedError:
-        return response
+        pass  # nobody is left to answer; the DIAG line has recorded it
     except SwarmError:
         if not response.prepared:
-            raise
-        return response
+            raise  # nothing sent yet: the middleware answers with the right status
     return response
+
+
+async def _write_error(response: web.StreamResponse, exc: SwarmError) -> None:
+    """Mid-stream the status is already sent, so the error travels as one event."""
+    _, body, _ = classify(exc)
+    with contextlib.suppress(ConnectionResetError):
+        await response.write(sse(body))
+        await response.write(sse("[DONE]"))
 
 
 async def _write_events(response: web.StreamResponse, gen: Generation, reply: _Reply) -> None:
@@ -343,8 +348,7 @@ async def _write_events(response: web.StreamResponse, gen: Generation, reply: _R
         reply.chunk([reply.choice("" if reply.kind == "chat" else None, None, first=True)], **extra)
     )
     async for event in gen.events():
-        if isinstance(event, Delta):
-            await response.write(reply.chunk([reply.choice(event.text, None)]))
+        await response.write(reply.chunk([reply.choice(event.text, None)]))
     finish = reply.choice(None if reply.kind == "chat" else "", gen.finish_reason)
     if reply.return_token_ids:
         finish["token_ids"] = list(gen.tokens)

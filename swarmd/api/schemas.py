@@ -62,7 +62,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = _STRICT
@@ -76,13 +76,14 @@ class _Sampling(BaseModel):
         str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
     ) = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # torch's seed range
-    stream: bool = False
+    # OpenAI documents these as nullable, and some clients send null: null = the default.
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
-    n: int = 1
+    n: int | None = None
     logprobs: Any = None
     return_token_ids: bool = False  # vLLM's extension: token ids in the reply
 
@@ -92,7 +93,7 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_supported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise UnsupportedError("Only n=1 is supported", "n")
         if self.logprobs not in (None, False, 0):
             raise UnsupportedError("logprobs are not supported", "logprobs")
@@ -104,7 +105,8 @@ class _Sampling(BaseModel):
     def logit_bias_ids(self, vocab_size: int) -> dict[int, float]:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            # isdigit() alone accepts '²', which int() refuses.
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
                 raise InvalidRequestError(
                     f"logit_bias key '{key}' is not a token id below {vocab_size}", "logit_bias"
                 )
@@ -112,7 +114,7 @@ class _Sampling(BaseModel):
         return bias
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     top_logprobs: Any = None
@@ -151,7 +153,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: (
         str
         | Annotated[list[str], Field(min_length=1)]
@@ -187,6 +189,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequestError("The request body is nested too deeply") from exc
+    try:
+        # A lone surrogate escape ("\ud800") is valid JSON but not text a tokenizer takes.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError("The request body holds text that is not valid UTF-8") from exc
     if not isinstance(body, dict):
         raise InvalidRequestError(
             f"The request body must be a JSON object, not {type(body).__name__}"

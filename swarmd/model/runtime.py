@@ -7,7 +7,7 @@ the coordinator closes it however the reply ends.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -24,8 +24,6 @@ class StageSession:
     max_length: int  # tokens this session may hold in its cache
     sampler: Sampler | None  # only on the last stage
     length: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    compute_s: float = 0.0  # time spent in this stage's forward passes
 
 
 @dataclass(frozen=True)
@@ -88,8 +86,6 @@ class StageRuntime:
             token = session.sampler.sample(out[0])
         elapsed = time.perf_counter() - started
         session.length += count
-        session.compute_s += elapsed
-        session.last_used = time.monotonic()
         hidden = None if self.stage.is_last else out
         return StepResult(hidden, token, elapsed)
 

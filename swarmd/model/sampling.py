@@ -58,9 +58,9 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the tokens before it already reach p; the top token always stays.
-    drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p
+    drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -93,7 +93,9 @@ class Sampler:
         if p.greedy:
             token = int(torch.argmax(logits))
         else:
-            logits = logits / p.temperature
+            # Shift before dividing: with a tiny temperature the top logit stays 0 and the
+            # others go to -inf instead of overflowing into inf - inf = NaN.
+            logits = (logits - logits.max()) / p.temperature
             logits = top_k_filter(logits, p.top_k)
             logits = top_p_filter(logits, p.top_p)
             logits = min_p_filter(logits, p.min_p)

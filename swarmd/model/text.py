@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
-from swarmd.errors import ModelLoadError
+from swarmd.errors import InvalidRequestError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,15 @@ class TextCodec:
         conversation: list[dict[str, Any]] = [
             {"role": m.role, "content": m.content} for m in messages
         ]
-        text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        except jinja2.TemplateError as exc:
+            # Templates may refuse a conversation (e.g. roles that do not alternate).
+            raise InvalidRequestError(
+                f"The model's chat template refused these messages: {exc}", "messages"
+            ) from exc
         # The template already holds every special token the model expects.
         return list(self.tokenizer.encode(str(text), add_special_tokens=False))
 

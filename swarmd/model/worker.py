@@ -2,7 +2,9 @@
 
 Model compute never runs on the event loop. The GIL is released inside torch ops, so a
 forward pass on this thread leaves the API and networking responsive. Every call has a
-timeout; a job whose caller has gone away is skipped before it starts.
+timeout, counted from the moment the worker starts the job (time in the queue is the
+admission's business, not the step's). A job whose caller has gone away is skipped before
+it starts, unless it must run (freeing a KV cache must happen whoever still waits).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class _Job:
     fn: Callable[[], Any]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Any]
+    started: asyncio.Future[None]
+    must_run: bool
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -51,17 +55,22 @@ class TorchWorker:
         self._stopped = asyncio.get_running_loop().create_future()
         self._thread.start()
 
-    async def call(self, fn: Callable[[], T], timeout_s: float) -> T:
+    async def call(self, fn: Callable[[], T], timeout_s: float, must_run: bool = False) -> T:
         """Run fn on the worker thread and return its result."""
         if self._stopped is None or self._stopped.done():
             raise InternalError("The torch worker is not running")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._queue.put(_Job(fn, loop, future))
+        started: asyncio.Future[None] = loop.create_future()
+        self._queue.put(_Job(fn, loop, future, started, must_run))
         try:
+            await started
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError as exc:
             raise StepTimeoutError(f"A model step took longer than {timeout_s:g} s") from exc
+        finally:
+            if not future.done():
+                future.cancel()  # tells the worker to skip it if it has not started
 
     async def stop(self) -> None:
         if self._stopped is None or not self._thread.is_alive():
@@ -77,8 +86,9 @@ class TorchWorker:
             torch.set_num_threads(self._threads)
         try:
             while (job := self._queue.get()) is not None:
-                if job.future.done():
+                if job.future.done() and not job.must_run:
                     continue
+                job.loop.call_soon_threadsafe(_settle, job.started, None, None)
                 result: Any = None
                 error: BaseException | None = None
                 try:

@@ -28,6 +28,11 @@ class Hop:
 class StageChain(Protocol):
     hops: list[Hop]
 
+    @property
+    def is_local(self) -> bool:
+        """True when this node runs every layer itself."""
+        ...
+
     async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None: ...
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None: ...
@@ -52,11 +57,17 @@ class LocalChain:
         self._session_id: str | None = None
         self._compute_s = 0.0
 
+    @property
+    def is_local(self) -> bool:
+        return True
+
     async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None:
+        # Set before the await: if the caller times out while the worker opens it, close()
+        # still frees it (the queue is FIFO, so the close runs after the open).
+        self._session_id = session_id
         await self._worker.call(
             lambda: self._runtime.open(session_id, max_length, sampling), self._timeout_s
         )
-        self._session_id = session_id
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None:
         session_id = self._session_id
@@ -72,7 +83,9 @@ class LocalChain:
     async def close(self) -> None:
         session_id, self._session_id = self._session_id, None
         if session_id is not None:
-            await self._worker.call(lambda: self._runtime.close(session_id), self._timeout_s)
+            await self._worker.call(
+                lambda: self._runtime.close(session_id), self._timeout_s, must_run=True
+            )
 
     def stage_seconds(self) -> list[float]:
         return [self._compute_s]

@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from swarmd.errors import ModelNotFoundError, NoRouteError, OverloadedError
+from swarmd.errors import ModelNotFoundError, NoRouteError, OverloadedError, SwarmError
 from swarmd.model.loader import LoadedModel
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.worker import TorchWorker
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
-from swarmd.pipeline.report import RequestRecord, RequestRing
+from swarmd.pipeline.report import RequestRecord, RequestRing, ms
 
 log = logging.getLogger("swarmd.requests")
 
@@ -103,14 +103,18 @@ class Coordinator:
             error = exc
             raise
         finally:
-            if gen is not None:
-                # Free the KV cache even when the handler is being cancelled.
-                await asyncio.shield(gen.chain.close())
-            if acquired:
-                self.in_flight -= 1
-                self._slots.release()
-            timing.total_s = timing.since_received()
-            self.report(self._record(request, timing, gen, error))
+            try:
+                if gen is not None:
+                    # Free the KV cache even when the handler is being cancelled.
+                    await asyncio.shield(gen.chain.close())
+            except SwarmError as exc:
+                log.warning("DIAG: session close failed request_id=%s: %s", request.request_id, exc)
+            finally:
+                if acquired:
+                    self.in_flight -= 1
+                    self._slots.release()
+                timing.total_s = timing.since_received()
+                self.report(self._record(request, timing, gen, error))
 
     def report(self, record: RequestRecord) -> None:
         self.ring.add(record)
@@ -123,14 +127,11 @@ class Coordinator:
         gen: Generation | None,
         error: BaseException | None,
     ) -> RequestRecord:
-        def ms(seconds: float | None) -> float | None:
-            return None if seconds is None else seconds * 1000.0
-
         chain = gen.chain if gen is not None else None
         return RequestRecord(
             request_id=request.request_id,
             model=request.model_id,
-            route="local" if chain is None or len(chain.hops) == 1 else "distributed",
+            route="local" if chain is None or chain.is_local else "distributed",
             nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
             outcome="ok" if error is None else "error",
             error_type=None if error is None else type(error).__name__,

@@ -34,11 +34,6 @@ class Delta:
     text: str
 
 
-@dataclass(frozen=True)
-class Finished:
-    reason: FinishReason
-
-
 @dataclass
 class Timing:
     """Seconds of each phase; None until measured."""
@@ -79,7 +74,8 @@ class Generation:
     def completion_tokens(self) -> int:
         return len(self.tokens)
 
-    async def events(self) -> AsyncIterator[Delta | Finished]:
+    async def events(self) -> AsyncIterator[Delta]:
+        """Text deltas; once exhausted, `finish_reason` and `tokens` tell how it ended."""
         req = self.request
         detok = IncrementalDetokenizer(self._codec)
         stops = StopMatcher(req.stop)
@@ -107,12 +103,17 @@ class Generation:
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         if tail:
             yield Delta(tail)
-        yield Finished(self.finish_reason)
+
+    def _stop_if_client_gone(self) -> None:
+        # Checked before every step, so a client that left costs at most one more step.
+        if self._client_gone():
+            raise ClientDisconnectedError("The client closed the connection")
 
     async def _prefill(self) -> int:
         prompt = self.request.prompt_ids
         token: int | None = None
         for start in range(0, len(prompt), self._chunk):
+            self._stop_if_client_gone()
             chunk = prompt[start : start + self._chunk]  # [<= chunk]
             token = await self.chain.step(chunk, want_token=start + self._chunk >= len(prompt))
         if token is None:
@@ -120,9 +121,7 @@ class Generation:
         return token
 
     async def _decode_one_token(self, token: int) -> int:
-        # Checked before every step, so a client that left costs at most one more token.
-        if self._client_gone():
-            raise ClientDisconnectedError("The client closed the connection")
+        self._stop_if_client_gone()
         nxt = await self.chain.step([token], want_token=True)
         if nxt is None:
             raise InternalError("decode step produced no token")

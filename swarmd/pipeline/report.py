@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass
+
+_UNSAFE = re.compile(r"[\s=]")
+
+
+def ms(seconds: float | None) -> float | None:
+    """Seconds to milliseconds, keeping None (not measured) as None."""
+    return None if seconds is None else seconds * 1000.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,9 @@ class RequestRecord:
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.1f}" if abs(value) >= 1 or value == 0 else f"{value:.3f}"
-    return str(value)
+    # Values such as the model name come from clients: no spaces, newlines or '=' that
+    # could forge another field or another log line.
+    return _UNSAFE.sub("_", str(value))[:128]
 
 
 class RequestRing:

@@ -108,6 +108,23 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ),
     ("logit_bias bad key", "chat", chat(logit_bias={"x": 1}), 400, "logit_bias", "invalid_value"),
     (
+        "logit_bias superscript digit",
+        "chat",
+        chat(logit_bias={"\u00b2": 1}),
+        400,
+        "logit_bias",
+        "invalid_value",
+    ),
+    ("body nested 200k deep", "chat", b"[" * 200_000, 400, None, "invalid_value"),
+    (
+        "lone surrogate in content",
+        "chat",
+        b'{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        None,
+        "invalid_value",
+    ),
+    (
         "prompt over the context",
         "chat",
         chat(messages=[{"role": "user", "content": "hello " * 9000}]),
@@ -218,14 +235,36 @@ def test_unknown_path_and_wrong_method(embedded_node: NodeProcess) -> None:
 
 
 def test_node_still_serves_after_bad_input(embedded_node: NodeProcess) -> None:
+    request_ids = []
     for case in CASES:
         endpoint = "/v1/chat/completions" if case[1] == "chat" else "/v1/completions"
-        http_json(embedded_node.url + endpoint, case[2])
+        _, _, headers = http_json(embedded_node.url + endpoint, case[2])
+        request_ids.append({k.lower(): v for k, v in headers.items()}["x-swarm-request-id"])
     status, body, _ = http_json(
         embedded_node.url + "/v1/chat/completions", chat(max_tokens=3, temperature=0)
     )
     assert status == 200
     assert body["usage"]["completion_tokens"] == 3
     assert embedded_node.proc.poll() is None
-    rejected = embedded_node.log_text().count("outcome=error error_type=InvalidRequestError")
-    assert rejected >= 20  # every rejected request still left its DIAG line
+    log = embedded_node.log_text()
+    assert "Traceback" not in log
+    for request_id in request_ids:  # every rejected request left its own DIAG line
+        line = next(ln for ln in log.splitlines() if f"request_id={request_id}" in ln)
+        assert "outcome=error error_type=" in line
+
+
+def test_null_for_nullable_parameters_means_the_default(embedded_node: NodeProcess) -> None:
+    nulls = {"presence_penalty": None, "frequency_penalty": None, "n": None, "stream": None}
+    status, body, _ = http_json(
+        embedded_node.url + "/v1/chat/completions", chat(max_tokens=2, temperature=0, **nulls)
+    )
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 2
+
+
+def test_a_vanishing_temperature_samples_like_greedy(embedded_node: NodeProcess) -> None:
+    url = embedded_node.url + "/v1/chat/completions"
+    status, tiny, _ = http_json(url, chat(max_tokens=6, temperature=1e-39, seed=1))
+    assert status == 200, tiny
+    _, greedy, _ = http_json(url, chat(max_tokens=6, temperature=0))
+    assert tiny["choices"][0]["message"] == greedy["choices"][0]["message"]

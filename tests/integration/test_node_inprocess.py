@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,15 @@ async def make_node(tiny_chat_dir: Path, tmp_path: Path) -> AsyncIterator[NodeFa
         await node.stop()
 
 
+async def poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
 def body(**fields: Any) -> dict[str, Any]:
     return {
         "model": "tiny",
@@ -58,22 +69,29 @@ async def read_events(response: aiohttp.ClientResponse) -> list[Any]:
     return events
 
 
-async def test_a_full_node_answers_503_with_retry_after(make_node: NodeFactory) -> None:
+async def test_a_full_node_answers_503_with_retry_after(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     node = await make_node(max_sessions=1, queue_timeout_s=0.2)
+    release = threading.Event()
+    real_step = node.runtime.step
+
+    def held_step(*args: Any, **kwargs: Any) -> Any:
+        release.wait(timeout=30)  # holds the only slot until the test lets go
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(node.runtime, "step", held_step)
     async with aiohttp.ClientSession() as http:
         url = f"{node.api_url}/v1/chat/completions"
-        first = await http.post(url, json=body(max_tokens=400, stream=True))
-        assert first.status == 200
+        first = asyncio.create_task(http.post(url, json=body(max_tokens=3)))
+        assert await poll(lambda: node.coordinator.in_flight == 1, 5)
         second = await http.post(url, json=body(max_tokens=2))
         assert second.status == 503
         assert int(second.headers["Retry-After"]) > 0
         error = (await second.json())["error"]
         assert error["code"] == "OverloadedError" and "slots" in error["message"]
-        events = await read_events(first)
-        assert events[-1] == "[DONE]"
-        assert any(
-            e != "[DONE]" and e["choices"] and e["choices"][0]["finish_reason"] for e in events
-        )
+        release.set()
+        assert (await first).status == 200
         third = await http.post(url, json=body(max_tokens=2))
         assert third.status == 200  # the slot came back
 
@@ -126,4 +144,115 @@ async def test_sessions_are_freed_and_counted(make_node: NodeFactory) -> None:
         assert all(1 <= u <= 8 for u in usage)
         health = await (await http.get(f"{node.api_url}/health")).json()
     assert health["sessions"] == 0 and health["in_flight"] == 0
+    assert node.runtime.session_count == 0
+
+
+async def test_a_close_that_times_out_still_frees_the_slot_and_the_cache(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Generous against a busy CI machine: real steps take milliseconds, the close 2 s.
+    node = await make_node(max_sessions=1, step_timeout_s=1.0)
+    real_close = node.runtime.close
+
+    def slow_close(session_id: str) -> None:
+        time.sleep(2.0)
+        real_close(session_id)
+
+    monkeypatch.setattr(node.runtime, "close", slow_close)
+    async with aiohttp.ClientSession() as http:
+        url = f"{node.api_url}/v1/chat/completions"
+        first = await http.post(url, json=body(max_tokens=2))
+        assert first.status == 200
+        assert node.coordinator.in_flight == 0  # the slot came back despite the timeout
+        assert await poll(lambda: node.runtime.session_count == 0, 5)  # close still ran
+        monkeypatch.setattr(node.runtime, "close", real_close)
+        again = await http.post(url, json=body(max_tokens=2))
+        assert again.status == 200, await again.text()
+
+
+async def test_an_open_that_times_out_is_closed_anyway(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = await make_node(step_timeout_s=0.5)
+    real_open = node.runtime.open
+
+    def slow_open(*args: Any, **kwargs: Any) -> None:
+        time.sleep(1.0)
+        real_open(*args, **kwargs)
+
+    monkeypatch.setattr(node.runtime, "open", slow_open)
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(f"{node.api_url}/v1/chat/completions", json=body(max_tokens=2))
+        assert response.status == 503
+    assert await poll(lambda: node.runtime.session_count == 0, 5)
+    assert node.coordinator.in_flight == 0
+
+
+async def test_a_stream_without_usage_carries_swarm_on_the_finish_chunk(
+    make_node: NodeFactory,
+) -> None:
+    node = await make_node()
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(
+            f"{node.api_url}/v1/chat/completions", json=body(max_tokens=3, stream=True)
+        )
+        events = await read_events(response)
+    chunks = [e for e in events if e != "[DONE]"]
+    assert events[-1] == "[DONE]"
+    assert all("usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["swarm"]["route"] == "local"
+    assert all("swarm" not in c for c in chunks[:-1])
+
+
+async def _disconnect_after(url: str, payload: dict[str, Any], seconds: float) -> None:
+    _reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    data = json.dumps(payload).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    await asyncio.sleep(seconds)  # the point of the test: leave while the node works
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_leaving_a_stream_that_sends_no_text_is_a_clean_disconnect(
+    make_node: NodeFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    node = await make_node()
+    caplog.set_level(logging.INFO)
+    # Token 0 is a special token: every step decodes to no text, so no write fails and
+    # only the per-step check can notice the client has gone.
+    payload = body(max_tokens=400, stream=True, logit_bias={"0": 100})
+    await _disconnect_after(node.api_url, payload, 0.3)
+    assert await poll(lambda: node.coordinator.in_flight == 0, 3)
+    assert node.runtime.session_count == 0
+    diag = [r.message for r in caplog.records if "DIAG: request complete" in r.message]
+    assert "outcome=error error_type=ClientDisconnectedError" in diag[-1]
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
+
+
+async def test_leaving_during_prefill_stops_the_prefill(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = await make_node(prefill_chunk_tokens=1)
+    real_step = node.runtime.step
+    steps = 0
+
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        time.sleep(0.01)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(node.runtime, "step", slow_step)
+    long_prompt = "hello " * 300  # 300 one-token prefill steps of 10 ms at least
+    payload = body(messages=[{"role": "user", "content": long_prompt}], stream=True)
+    await _disconnect_after(node.api_url, payload, 0.3)
+    assert await poll(lambda: node.coordinator.in_flight == 0, 3)
+    assert steps < 200, steps  # the prefill stopped soon after the client left
     assert node.runtime.session_count == 0

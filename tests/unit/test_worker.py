@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -65,3 +66,33 @@ async def test_stop_ends_the_thread_and_refuses_new_calls() -> None:
     assert not any(t.name == "swarmd-torch" and t.is_alive() for t in threading.enumerate())
     with pytest.raises(InternalError, match="not running"):
         await worker.call(lambda: 1, 5)
+
+
+async def test_a_queued_job_whose_caller_left_is_skipped_unless_it_must_run() -> None:
+    worker = TorchWorker()
+    worker.start()
+    try:
+        ran: list[str] = []
+        busy = asyncio.create_task(worker.call(lambda: time.sleep(0.3), 5))
+        skipped = asyncio.create_task(worker.call(lambda: ran.append("skipped"), 5))
+        must = asyncio.create_task(worker.call(lambda: ran.append("must"), 5, must_run=True))
+        await asyncio.sleep(0)  # let both tasks queue their jobs behind the busy one
+        skipped.cancel()
+        must.cancel()
+        await busy
+        await worker.call(lambda: None, 5)  # everything queued before has been handled
+        assert ran == ["must"]
+    finally:
+        await worker.stop()
+
+
+async def test_the_step_timeout_does_not_count_time_in_the_queue() -> None:
+    worker = TorchWorker()
+    worker.start()
+    try:
+        busy = asyncio.create_task(worker.call(lambda: time.sleep(0.3), 5))
+        await asyncio.sleep(0)  # the busy job is queued first
+        assert await worker.call(lambda: "quick", 0.2) == "quick"  # waited 0.3 s queued
+        await busy
+    finally:
+        await worker.stop()
