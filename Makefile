@@ -6,12 +6,15 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.swarmd-installed
 ARGS ?=
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: install run test lint bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	# libp2p pins fastecdsa 2.3.2, which compiles against GMP.
+	dpkg -s libgmp-dev >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q libgmp-dev; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so pip takes the CPU build on disk instead of a CUDA download.
 	$(BIN)/python -m pip install --quiet torch==2.13.0

@@ -41,6 +41,20 @@ def run(
     cache_dir: Annotated[Path | None, typer.Option(help="Converted models cache.")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
     torch_threads: Annotated[int | None, typer.Option(help="0 = all cores.")] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="Serve only layers START:END of the model, e.g. 0:15.")
+    ] = None,
+    p2p_port: Annotated[
+        int | None, typer.Option(help="libp2p TCP port (default: API port + 10).")
+    ] = None,
+    p2p_host: Annotated[str | None, typer.Option(help="libp2p listen address.")] = None,
+    bootstrap: Annotated[
+        list[str] | None,
+        typer.Option(help="Multiaddr of a swarm peer to join (repeatable)."),
+    ] = None,
+    swarm_key: Annotated[
+        Path | None, typer.Option(help="Private swarm: file with the shared secret.")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML config file.")] = None,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="Debug logging.")] = False,
 ) -> None:
@@ -55,6 +69,11 @@ def run(
         "cache_dir": cache_dir,
         "dtype": dtype,
         "torch_threads": torch_threads,
+        "layers": layers,
+        "p2p_port": p2p_port,
+        "p2p_host": p2p_host,
+        "bootstrap": tuple(bootstrap) if bootstrap else None,
+        "swarm_key": str(swarm_key) if swarm_key else None,
     }
     if verbose:
         flags["log_level"] = "DEBUG"
@@ -98,6 +117,38 @@ def chat(
     typer.echo("")
     if summary:
         typer.echo(summary, err=True)
+
+
+@app.command()
+def peers(
+    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
+) -> None:
+    """List the peers a running node knows: RTT, state and the layers they serve."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from swarmd.client import ClientError, get_json
+
+    try:
+        report = asyncio.run(get_json(url, "/api/peers"))
+    except ClientError as exc:
+        typer.echo(f"swarmd: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    table = Table(title=f"peers of {report['peer_id']}")
+    for column in ("peer", "connected", "rtt ms", "last seen", "serves", "failures"):
+        table.add_column(column)
+    for peer in report["peers"]:
+        serves = ", ".join(
+            f"{s['model']} {s['layers'][0]}:{s['layers'][1]} ({s['state']})" for s in peer["serves"]
+        )
+        rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
+        seen = "-" if peer["last_seen_s"] is None else f"{peer['last_seen_s']:.0f} s ago"
+        connected = "yes" if peer["connected"] else "no"
+        table.add_row(peer["peer_id"], connected, rtt, seen, serves or "-", str(peer["failures"]))
+    console = Console()
+    console.print(table)
+    for ban in report["bans"]:
+        console.print(f"banned {ban['peer_id']}: {ban['reason']} ({ban['remaining_s']:.0f} s left)")
 
 
 @app.command()

@@ -34,6 +34,22 @@ async def stream_chat(
         raise ClientError(f"cannot reach {base}: {exc}") from exc
 
 
+async def get_json(url: str, path: str) -> Any:
+    """GET a JSON document from a node."""
+    base = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=30)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as http,
+            http.get(f"{base}{path}") as response,
+        ):
+            if response.status != 200:
+                raise ClientError(await _error_text(response))
+            return await response.json()
+    except aiohttp.ClientError as exc:
+        raise ClientError(f"cannot reach {base}: {exc}") from exc
+
+
 async def _first_model(http: aiohttp.ClientSession, base: str) -> str:
     async with http.get(f"{base}/v1/models") as response:
         if response.status != 200:

@@ -54,6 +54,13 @@ class Config:
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     log_level: str = "INFO"  # one of LOG_LEVELS
+    layers: str = ""  # "START:END" to serve part of the model; "" = every layer
+    p2p_host: str = "127.0.0.1"  # libp2p listen address (0.0.0.0 lets other machines in)
+    p2p_port: int = -1  # libp2p TCP port; -1 = API port + 10 (any free port if port is 0)
+    bootstrap: tuple[str, ...] = ()  # multiaddrs (/ip4/.../tcp/.../p2p/...) of swarm peers
+    swarm_key: str = ""  # file holding the private swarm's secret; "" = an open swarm
+    record_ttl_s: float = 60.0  # lifetime of this node's DHT records
+    republish_interval_s: float = 20.0  # how often they are renewed
 
 
 _TYPES: dict[str, type] = get_type_hints(Config)
@@ -77,6 +84,15 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
     "default_temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     "log_level": (lambda v: v in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}"),
+    "layers": (lambda v: v == "" or v.count(":") == 1, "START:END (e.g. 0:15) or empty"),
+    "p2p_host": (lambda v: v != "", "a non-empty address"),
+    "p2p_port": (lambda v: -1 <= v <= 65535, "in -1..65535 (-1 = API port + 10, 0 = any)"),
+    "bootstrap": (
+        lambda v: all(a.startswith("/") and "/p2p/" in a for a in v),
+        "multiaddrs with a peer id, like /ip4/1.2.3.4/tcp/8810/p2p/12D3KooW...",
+    ),
+    "record_ttl_s": (lambda v: math.isfinite(v) and 5 <= v <= 3600, "in 5..3600 seconds"),
+    "republish_interval_s": (_finite_positive, "a finite number > 0"),
 }
 
 
@@ -144,8 +160,13 @@ def _read_file(config_file: Path | None, env: Mapping[str, str]) -> tuple[dict[s
     return data, source
 
 
+_STR_TUPLE = tuple[str, ...]
+
+
 def _from_string(name: str, kind: type, text: str, source: str) -> object:
     """Parse an env var (or a str flag) as the field's type."""
+    if kind == _STR_TUPLE:  # a list in one variable: comma separated
+        return tuple(part.strip() for part in text.split(",") if part.strip())
     if kind is Path:
         return Path(text).expanduser()
     if kind is str:
@@ -162,14 +183,18 @@ def _from_value(name: str, kind: type, value: object, source: str) -> object:
     """Check a TOML (or non-str flag) value against the field's type; no lossy conversions."""
     if isinstance(value, bool):  # bool is an int subclass; no field is a bool
         pass
+    elif kind == _STR_TUPLE:
+        if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+            return tuple(value)
     elif kind is float and isinstance(value, int | float):
         return float(value)
     elif kind is Path and isinstance(value, str | os.PathLike):
         return Path(value).expanduser()
     elif isinstance(value, kind):
         return value
+    kind_name = "list of strings" if kind == _STR_TUPLE else kind.__name__
     raise ConfigError(
-        f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r} (from {source})"
+        f"{name}: expected {kind_name}, got {type(value).__name__} {value!r} (from {source})"
     )
 
 

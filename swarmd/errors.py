@@ -17,6 +17,24 @@
     │   ├── OverloadedError         every session slot busy past the queue timeout
     │   ├── StepTimeoutError        one model step ran past step_timeout_s
     │   └── NoRouteError            layers missing from the swarm
+    ├── RecordError                 a DHT record refused (dropped, never served)
+    │   ├── RecordTooLargeError     value over the size limit, refused unread
+    │   ├── MalformedRecordError    not msgpack, wrong fields, types or ranges
+    │   ├── BadSignatureError       not signed by the key of its peer id
+    │   ├── ExpiredRecordError      expires_at already past
+    │   └── WrongOwnerError         another peer's (or model's) record
+    ├── PeerError                   a peer or the link to it failed (names `peer_id`)
+    │   ├── DialError               cannot connect, or open a stream on a protocol
+    │   │   └── DialTimeoutError    connect_timeout_s / open_stream_timeout_s passed
+    │   ├── StreamClosedError       closed or reset by the peer, or cut mid-frame
+    │   ├── FrameError              bytes that are not a valid frame (stream is reset)
+    │   │   ├── FrameTooLargeError  declared length over the frame limit, refused unread
+    │   │   ├── FrameBufferError    more bytes buffered than the cap
+    │   │   └── MalformedFrameError not a msgpack map within the limits
+    │   ├── SendTimeoutError        the peer stopped reading (send_timeout_s)
+    │   ├── RecvTimeoutError        no whole frame within the read timeout
+    │   ├── RpcTimeoutError         a remote call ran past its timeout (peer, method)
+    │   └── RemoteError             the peer's handler failed (peer, method, type, message)
     └── InternalError               a bug or a worker failure          -> 500
 
 Library errors are translated into this tree where they are caught (`raise ... from exc`);
@@ -120,3 +138,105 @@ class NoRouteError(UnavailableError):
 
 class InternalError(SwarmError):
     """Something broke inside the node (a bug or a failed worker)."""
+
+
+class RecordError(SwarmError):
+    """A DHT record failed validation; `reason` names the check for counters."""
+
+    reason = "invalid"
+
+
+class RecordTooLargeError(RecordError):
+    reason = "too_large"
+
+
+class MalformedRecordError(RecordError):
+    reason = "malformed"
+
+
+class BadSignatureError(RecordError):
+    reason = "bad_signature"
+
+
+class ExpiredRecordError(RecordError):
+    reason = "expired"
+
+
+class WrongOwnerError(RecordError):
+    """A valid record, but not of the peer (or model) it was expected to be."""
+
+    reason = "wrong_owner"
+
+
+class PeerError(SwarmError):
+    """A peer, or the link to it, failed; `peer_id` names the peer when known."""
+
+    def __init__(self, message: str, peer_id: str | None = None) -> None:
+        self.peer_id = peer_id
+        super().__init__(message)
+
+
+class DialError(PeerError):
+    """Cannot connect to a peer, or open a stream to it on a protocol."""
+
+
+class DialTimeoutError(DialError):
+    """Connecting, or opening a stream, ran past its timeout."""
+
+
+class StreamClosedError(PeerError):
+    """The stream ended: closed or reset by the peer, or cut in the middle of a frame."""
+
+    def __init__(self, message: str, peer_id: str | None = None, truncated: bool = False) -> None:
+        self.truncated = truncated
+        super().__init__(message, peer_id)
+
+
+class FrameError(PeerError):
+    """Bytes that are not a valid frame; the stream they came on is reset."""
+
+
+class FrameTooLargeError(FrameError):
+    """A frame longer than the limit (refused from its header, before its body is read)."""
+
+
+class FrameBufferError(FrameError):
+    """More bytes were handed to a frame decoder than it may hold."""
+
+
+class MalformedFrameError(FrameError):
+    """A frame body that is not a msgpack map within the size limits."""
+
+
+class SendTimeoutError(PeerError):
+    """A frame could not be written within the send timeout (the peer stopped reading)."""
+
+
+class RecvTimeoutError(PeerError):
+    """No whole frame arrived within the read timeout."""
+
+
+class RpcTimeoutError(PeerError):
+    """A remote call got no reply within its timeout."""
+
+    def __init__(self, peer_id: str, method: str, timeout_s: float) -> None:
+        self.method = method
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"Remote call '{method}' to peer {peer_id[-8:]} got no reply in {timeout_s:g} s",
+            peer_id,
+        )
+
+
+class RemoteError(PeerError):
+    """The peer's handler failed; `remote_type` and `remote_message` are what it said."""
+
+    def __init__(self, peer_id: str, method: str, remote_type: str, remote_message: str) -> None:
+        self.method = method
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        super().__init__(
+            f"Remote call '{method}' failed on peer {peer_id[-8:]}: "
+            f"{remote_type}: {remote_message}",
+            peer_id,
+        )

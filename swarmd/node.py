@@ -1,7 +1,9 @@
 """`Node`: one swarmd daemon, from start-up to a clean shutdown.
 
-Start-up: identity -> model (resolve, convert once, load) -> torch worker -> API.
-Shutdown reverses it and leaves no task, thread or socket behind.
+Start-up: identity -> model (resolve, convert once, load its layer range) -> torch worker
+-> libp2p host and DHT (trio, through the bridge) -> join and announce -> API.
+Shutdown reverses it: the API closes, the records are withdrawn, the host and the worker
+stop, and no task, thread or socket is left behind.
 """
 
 from __future__ import annotations
@@ -14,17 +16,26 @@ from pathlib import Path
 
 from aiohttp import web
 
+from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.config import Config
-from swarmd.errors import ConfigError
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import ConfigError, SwarmError
 from swarmd.model.loader import LoadedModel, load_model
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.source import resolve_model
 from swarmd.model.worker import TorchWorker
+from swarmd.net.auth import load_swarm_key
+from swarmd.net.bridge import TrioBridge
+from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
+from swarmd.net.peers import BanRow, PeerRow
+from swarmd.net.swarm import SwarmPresence, SwarmSettings
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 
 log = logging.getLogger(__name__)
+
+SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
 
 
 class Node:
@@ -41,6 +52,8 @@ class Node:
             prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         self.coordinator = Coordinator(model, self.runtime, self.worker, identity.short_id, limits)
+        self.bridge = TrioBridge()
+        self.swarm = SwarmPresence(identity, _swarm_settings(config), self._make_record)
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
@@ -52,11 +65,24 @@ class Node:
         identity = load_or_create_identity(Path(config.data_dir))
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
         source = resolve_model(config.model, Path(config.cache_dir))
-        model = load_model(source, None, config.dtype)
+        model = load_model(source, config.layers or None, config.dtype)
         return cls(config, identity, model)
 
     async def start(self) -> None:
         self.worker.start()
+        await self.bridge.start()
+        self.bridge.start_soon(self.swarm.run)
+        try:
+            await asyncio.wait_for(self.bridge.run(self.swarm.wait_ready), SWARM_START_TIMEOUT_S)
+        except TimeoutError as exc:
+            await self.stop()
+            raise ConfigError(
+                f"Could not join the swarm within {SWARM_START_TIMEOUT_S:g} s "
+                f"(bootstrap: {', '.join(self.config.bootstrap) or 'none'})"
+            ) from exc
+        except SwarmError:
+            await self.stop()
+            raise
         self._runner = web.AppRunner(create_app(self), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -75,7 +101,61 @@ class Node:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        try:
+            await self.bridge.stop()  # withdraws this node's records on the way out
+        except SwarmError as exc:
+            log.warning("the swarm layer ended with an error: %s", exc)
         await self.worker.stop()
+
+    async def holders(self, model_id: str) -> list[NodeRecord]:
+        """Every live holder of a model, this node included, from the DHT."""
+        return await self.bridge.run(self.swarm.holders, model_id)
+
+    async def peer_snapshot(self) -> tuple[list[str], tuple[PeerRow, ...]]:
+        if not self.bridge.running:
+            return [], ()
+        return await self.bridge.run(self.swarm.snapshot)
+
+    def bans(self, now: float) -> tuple[BanRow, ...]:
+        return self.swarm.peers.bans(now)
+
+    def listen_addrs(self) -> list[str]:
+        return list(self.swarm.addrs)
+
+    def _make_record(self, host: P2PHost) -> NodeRecord:
+        # Called on the trio side; trio runs as a guest on this thread, so reading the
+        # asyncio side's state here is safe.
+        model = self.model
+        free_slots = max(0, self.config.max_sessions - self.runtime.session_count)
+        return NodeRecord(
+            peer_id=self.identity.peer_id,
+            model_id=model.model_id,
+            model_hash="",
+            layer_start=model.layers.start,
+            layer_end=model.layers.end,
+            num_layers=model.num_layers,
+            dtype=model.dtype_name,
+            free_kv_tokens=free_slots * model.context_length,
+            throughput_tps=self.coordinator.recent_tokens_per_second(),
+            state="ready",
+            addrs=tuple(host.addrs[:16]),
+            api_url=self.api_url,
+            version=__version__,
+            expires_at=time.time() + self.config.record_ttl_s,
+        )
+
+
+def _swarm_settings(config: Config) -> SwarmSettings:
+    key = load_swarm_key(Path(config.swarm_key).expanduser()) if config.swarm_key else None
+    default_port = config.port + 10 if config.port else 0  # a free API port: a free p2p one
+    port = config.p2p_port if config.p2p_port >= 0 else default_port
+    return SwarmSettings(
+        listen_host=config.p2p_host,
+        listen_port=port,
+        bootstrap=config.bootstrap,
+        republish_interval_s=config.republish_interval_s,
+        swarm_key=key,
+    )
 
 
 async def serve(config: Config) -> None:
@@ -87,6 +167,8 @@ async def serve(config: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await node.start()
+        for addr in node.listen_addrs():
+            print(f"swarmd: p2p listening on {addr}", flush=True)
         model = node.model
         print(
             f"swarmd: serving {model.model_id} (layers {model.layers} of {model.num_layers}) "

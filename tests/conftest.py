@@ -46,6 +46,17 @@ class NodeProcess:
     model_id: str = ""
     stdout_lines: list[str] = field(default_factory=list)
 
+    @property
+    def p2p_addrs(self) -> list[str]:
+        prefix = "swarmd: p2p listening on "
+        return [
+            ln.strip().removeprefix(prefix) for ln in self.stdout_lines if ln.startswith(prefix)
+        ]
+
+    def get_json(self, path: str) -> dict[str, object]:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as response:
+            return json.loads(response.read())
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
 

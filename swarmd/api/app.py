@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -12,9 +14,15 @@ from swarmd import __version__
 from swarmd.api import keys
 from swarmd.api.completions import chat_completions, completions
 from swarmd.api.errors import Handler, error_middleware
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import SwarmError
 
 if TYPE_CHECKING:
     from swarmd.node import Node
+
+log = logging.getLogger(__name__)
+
+HOLDERS_TIMEOUT_S = 5.0  # a DHT lookup made for /v1/models or /api/peers
 
 
 @web.middleware
@@ -44,6 +52,7 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_detail)
+    app.router.add_get("/api/peers", peers)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     return app
@@ -57,6 +66,7 @@ async def health(request: web.Request) -> web.Response:
         "version": __version__,
         "peer_id": node.identity.peer_id,
         "short_id": node.identity.short_id,
+        "addrs": node.listen_addrs(),
         "uptime_s": round(time.monotonic() - node.started_at, 1),
         "models": [
             {
@@ -75,17 +85,81 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
-    return web.json_response({"object": "list", "data": [_model_entry(node)]})
+    return web.json_response({"object": "list", "data": [await _model_entry(node)]})
 
 
 async def model_detail(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
     node.coordinator.resolve(request.match_info["model"])  # 404 for an unknown id
-    return web.json_response(_model_entry(node))
+    return web.json_response(await _model_entry(node))
 
 
-def _model_entry(node: Node) -> dict[str, Any]:
+async def peers(request: web.Request) -> web.Response:
+    """This node's view of the swarm: connected peers, RTTs, what they serve, bans."""
+    node: Node = request.app[keys.NODE]
+    holders = {r.peer_id: r for r in await _holders(node)}
+    now = time.time()
+    connected_ids, table = await node.peer_snapshot()
+    connected = set(connected_ids)
+    rows = []
+    known = {row.peer_id: row for row in table}
+    for peer_id in sorted((connected | set(known) | set(holders)) - {node.identity.peer_id}):
+        row = known.get(peer_id)
+        record = holders.get(peer_id)
+        rows.append(
+            {
+                "peer_id": peer_id,
+                "short_id": peer_id[-8:],
+                "connected": peer_id in connected,
+                "rtt_ms": None if row is None else row.rtt_ms,
+                "last_seen_s": None
+                if row is None or row.last_seen is None
+                else round(now - row.last_seen, 1),
+                "failures": 0 if row is None else row.failures,
+                "serves": []
+                if record is None
+                else [
+                    {
+                        "model": record.model_id,
+                        "layers": [record.layer_start, record.layer_end],
+                        "state": record.state,
+                    }
+                ],
+            }
+        )
+    bans = [
+        {"peer_id": b.peer_id, "reason": b.reason, "remaining_s": round(b.remaining_s, 1)}
+        for b in node.bans(now)
+    ]
+    return web.json_response({"peer_id": node.identity.peer_id, "peers": rows, "bans": bans})
+
+
+async def _holders(node: Node) -> list[NodeRecord]:
+    try:
+        return await asyncio.wait_for(node.holders(node.model.model_id), HOLDERS_TIMEOUT_S)
+    except (TimeoutError, SwarmError) as exc:
+        log.warning("DHT lookup of %s failed: %s", node.model.model_id, exc)
+        return []
+
+
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[list[int]]:
+    """Union of half-open ranges, sorted: [(0,10),(5,20),(25,30)] -> [[0,20],[25,30]]."""
+    merged: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+async def _model_entry(node: Node) -> dict[str, Any]:
     model = node.model
+    records = [r for r in await _holders(node) if r.state == "ready"]
+    holders = {r.peer_id: [r.layer_start, r.layer_end] for r in records}
+    # This node serves its range even when the DHT is slow to answer.
+    holders.setdefault(node.identity.peer_id, [model.layers.start, model.layers.end])
+    coverage = merge_ranges([(a, b) for a, b in holders.values()])
     return {
         "id": model.model_id,
         "object": "model",
@@ -94,11 +168,13 @@ def _model_entry(node: Node) -> dict[str, Any]:
         "context_length": model.context_length,
         "swarm": {
             "holders": [
-                {"peer_id": node.identity.peer_id, "layers": [model.layers.start, model.layers.end]}
+                {"peer_id": peer_id, "layers": layers}
+                for peer_id, layers in sorted(holders.items())
             ],
-            "coverage": [[model.layers.start, model.layers.end]],
+            "coverage": coverage,
             "num_layers": model.num_layers,
-            "complete": model.is_whole,
+            "complete": coverage == [[0, model.num_layers]],
+            # Until distributed generation lands, only a node holding every layer routes.
             "routable": model.is_whole,
         },
     }

@@ -1,4 +1,7 @@
 """Discovery: signed records of who serves which layers, on the Kademlia DHT.
 
-Empty until the swarm layer lands; a node with the whole model needs no discovery.
+- `records.py`    `NodeRecord`, `sign_record`, `decode_record` (every check a peer's
+                  record must pass), `record_key` / `model_key` (DHT keys <= 50 bytes)
+- `discovery.py`  `open_discovery` / `Discovery`: bootstrap, announce, withdraw, and
+                  `holders(model_id)`; `RecordValidator` for the "swarmd" namespace
 """

@@ -2,5 +2,12 @@
 
 - `identity.py`  `Identity` (Ed25519 key, libp2p peer id, short id), `verify`,
                  `load_or_create_identity` (the 0600 key file in the data dir)
-The libp2p host, framing and remote calls land here with the swarm layer.
+- `bridge.py`    `TrioBridge`: py-libp2p (trio) as a guest run on the asyncio loop; the
+                 only module that imports both
+- `host.py`      `open_host` / `P2PHost`: libp2p with Noise only and yamux
+- `frames.py`    the wire codec (length prefix + msgpack, hard limits), `FrameStream`
+- `rpc.py`       `RpcService` (handler side) and `call` / `call_ping` (caller side)
+- `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff
+- `auth.py`      the private-swarm proof: `SwarmKey`, `prove`, `check_proof`
+- `swarm.py`     `SwarmPresence`: host + DHT + announcements for one node (trio side)
 """

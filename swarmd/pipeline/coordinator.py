@@ -50,6 +50,11 @@ class Coordinator:
         self._limits = limits
         self._slots = asyncio.Semaphore(limits.max_sessions)
 
+    def recent_tokens_per_second(self) -> float:
+        """Median decode speed of the recent requests (0.0 before any)."""
+        speeds = sorted(r.tok_per_sec for r in self.ring.recent() if r.tok_per_sec)
+        return speeds[len(speeds) // 2] if speeds else 0.0
+
     def resolve(self, model_id: str) -> LoadedModel:
         if model_id != self.model.model_id:
             raise ModelNotFoundError(model_id, [self.model.model_id])

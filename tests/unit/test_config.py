@@ -349,3 +349,27 @@ def test_example_values_are_the_defaults(tmp_path: Path) -> None:
     del settings["data_dir"], settings["cache_dir"]
     path = write(tmp_path, "".join(f"{key} = {value}\n" for key, value in settings.items()))
     assert load_config({}, path, {}) == Config()
+
+
+def test_bootstrap_from_each_layer(tmp_path: Path) -> None:
+    addr = "/ip4/127.0.0.1/tcp/8810/p2p/12D3KooWA4Xop1JaT3MHxwYMkCepYsv4iPVopMXwCz5iHYdBfeSB"
+    other = addr.replace("8810", "8811")
+    env = {"SWARMD_BOOTSTRAP": f"{addr}, {other}"}
+    assert load_config({}, None, env).bootstrap == (addr, other)
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'bootstrap = ["{addr}"]\n')
+    assert load_config({}, toml, {}).bootstrap == (addr,)
+    assert load_config({"bootstrap": (other,)}, toml, env).bootstrap == (other,)
+    toml.write_text("bootstrap = [1]\n")
+    with pytest.raises(ConfigError, match="list of strings"):
+        load_config({}, toml, {})
+    with pytest.raises(ConfigError, match="multiaddr"):
+        load_config({}, None, {"SWARMD_BOOTSTRAP": "127.0.0.1:8810"})
+
+
+def test_layers_and_p2p_port_ranges() -> None:
+    assert load_config({"layers": "0:15"}, None, {}).layers == "0:15"
+    with pytest.raises(ConfigError, match="layers"):
+        load_config({"layers": "15"}, None, {})
+    with pytest.raises(ConfigError, match="p2p_port"):
+        load_config({}, None, {"SWARMD_P2P_PORT": "-2"})

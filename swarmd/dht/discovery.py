@@ -1,0 +1,522 @@
+"""Who serves which layers of a model: signed records on py-libp2p's Kademlia DHT (trio).
+
+Each node serving model M publishes two things (`Discovery.announce`):
+
+- its signed `NodeRecord` as the DHT value at ``record_key(M, peer_id)``;
+- a provider entry for ``model_key(M)`` (the key every node serving M shares).
+
+`Discovery.holders(M)` reverses that: the providers of ``model_key(M)``, then each one's
+record, checked by `decode_record` against the peer and model it was looked up for.
+Provider entries are only hints (libp2p keeps them 48 h and never checks them); the
+signed record, with its short expiry, is what says a node serves M now. A node that
+stops republishing disappears when its record expires; `Discovery.withdraw` makes it
+disappear at once by publishing the same record in state "draining" (a draining record
+beats any other state, so it replaces the "ready" one wherever the DHT compares them).
+
+Every node stores records for others only through `RecordValidator`, so a record that
+is malformed, expired, forged, or filed under another peer's key is refused on arrival,
+and never served back. Records returned by `holders` are checked again.
+
+Where py-libp2p 0.8.1 falls short, this module works around it (see
+shared/notes/libp2p.md):
+
+- `KadDHT.find_providers` and `get_value` answer from the local store when it has
+  anything for the key, and never ask the network again: a node would never learn of a
+  provider that announced after its first lookup, and would keep serving itself a cached
+  record that expired. `holders` therefore asks the k closest peers for providers every
+  time (through libp2p's per-peer GET_PROVIDERS helper), drops a cached record that our
+  clock says is expired before `get_value`, and also asks the record's owner directly (so
+  a withdrawal or an update is seen at once even by nodes that hold an older copy).
+- libp2p keeps at most 20 providers per key, each for 48 h, so departed nodes would fill
+  the slots: `holders` prunes from the local provider store every peer whose record it
+  found expired, invalid or withdrawn.
+- The DHT server logs a WARNING "Failed to read DHT message from stream" after nearly
+  every request (harmless); it is filtered out.
+
+All timeouts are in `DiscoveryConfig`; a lookup that runs out of time returns what it
+found so far instead of raising. `clock` (unix seconds) decides expiry everywhere in this
+module; libp2p's own bookkeeping (its 24 h value TTL, 48 h provider TTL) uses real time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IPeerStore
+from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL_ID
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import PeerStoreError
+from libp2p.records.validator import Validator
+from libp2p.tools.anyio_service import background_trio_service
+from multiaddr import Multiaddr
+
+from swarmd.dht.records import (
+    KEY_NAMESPACE,
+    NodeRecord,
+    RecordStats,
+    decode_record,
+    decode_record_for_key,
+    model_key,
+    record_key,
+    sign_record,
+)
+from swarmd.errors import PeerError, RecordError, WrongOwnerError
+from swarmd.net.host import P2PHost
+from swarmd.net.identity import Identity, public_key_from_peer_id
+
+__all__ = [
+    "WITHDRAW_TTL_S",
+    "Discovery",
+    "DiscoveryConfig",
+    "RecordValidator",
+    "open_discovery",
+]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+WITHDRAW_TTL_S = 5.0  # a withdrawal ("draining") record lives this long
+_ADDR_TTL_S = 600  # how long addresses learned here (providers, add_peer) stay dialable
+_IDENTIFY_POLL_S = 0.02  # add_peer: how often to look whether identify has finished
+_NOISY_DHT_WARNING = "Failed to read DHT message from stream"
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Timeouts of every network wait in `Discovery` (seconds)."""
+
+    lookup_timeout_s: float = 10.0  # an iterative closest-peer lookup (FIND_NODE rounds)
+    rpc_timeout_s: float = 5.0  # one request to one peer (GET_PROVIDERS, GET_VALUE)
+    record_timeout_s: float = 10.0  # fetching one holder's record (owner + DHT)
+    publish_timeout_s: float = 15.0  # put_value or provide, in announce / withdraw
+    refresh_timeout_s: float = 10.0  # the routing-table refresh after bootstrap
+    add_peer_timeout_s: float = 5.0  # adding a peer (pings an old one if a bucket is full)
+    stop_timeout_s: float = 5.0  # stopping the DHT service
+    withdraw_ttl_s: float = WITHDRAW_TTL_S
+    max_parallel_fetches: int = 16  # holders' records fetched at once (each is a lookup)
+
+
+# --- the validator ----------------------------------------------------------------------
+
+
+class RecordValidator(Validator):
+    """py-libp2p's validator for the "swarmd" namespace: signed `NodeRecord`s only.
+
+    libp2p calls `validate` on every value it stores (ours and those other peers send)
+    and on every value a lookup receives; raising refuses the value. `select` picks the
+    best of several values for one key: invalid ones lose; a valid "draining" record (a
+    withdrawal, signed by the owner) beats any other state; then the later expiry wins;
+    equal (state, expiry) fall back to the bytes so every node picks the same one.
+    """
+
+    def __init__(self, clock: Clock = time.time, stats: RecordStats | None = None) -> None:
+        self._clock = clock
+        self.stats = stats if stats is not None else RecordStats()
+
+    def validate(self, key: str, value: bytes) -> None:
+        try:
+            decode_record_for_key(key, value, self._clock())
+        except RecordError as exc:
+            self.stats.reject(exc)
+            log.debug("refused DHT record at %s: %s", key, exc)
+            raise
+        self.stats.accept()
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        now = self._clock()
+        best_index = 0
+        best_rank: tuple[bool, float, bytes] | None = None
+        for index, value in enumerate(values):
+            try:
+                record = decode_record_for_key(key, value, now)
+            except RecordError:
+                continue
+            rank = (record.state == "draining", record.expires_at, bytes(value))
+            # `>=`: two copies of the same bytes tie, and the later one (the incoming
+            # value, where libp2p compares [stored, incoming]) is taken, not refused.
+            if best_rank is None or rank >= best_rank:
+                best_index, best_rank = index, rank
+        return best_index
+
+    def is_valid(self, key: str, value: bytes) -> bool:
+        """`validate` without counting (for values this node already holds)."""
+        try:
+            decode_record_for_key(key, value, self._clock())
+        except RecordError:
+            return False
+        return True
+
+
+# --- discovery --------------------------------------------------------------------------
+
+
+class Discovery:
+    """The DHT of one node, as swarmd uses it. Made by `open_discovery`."""
+
+    def __init__(
+        self,
+        host: P2PHost,
+        dht: KadDHT,
+        validator: RecordValidator,
+        clock: Clock,
+        config: DiscoveryConfig,
+    ) -> None:
+        self._host = host
+        self._dht = dht
+        self._validator = validator
+        self._clock = clock
+        self._config = config
+        self._local_id = host.libp2p.get_id()
+        self._announced: set[str] = set()  # model ids this node announced (not withdrawn)
+        self._fetch_limiter = trio.CapacityLimiter(config.max_parallel_fetches)
+
+    @property
+    def stats(self) -> RecordStats:
+        """Records accepted and refused by this node (by its validator and `holders`)."""
+        return self._validator.stats
+
+    @property
+    def dht(self) -> KadDHT:
+        """The py-libp2p DHT itself (diagnostics and tests)."""
+        return self._dht
+
+    @property
+    def peer_id(self) -> str:
+        return self._host.peer_id
+
+    @property
+    def config(self) -> DiscoveryConfig:
+        return self._config
+
+    def routing_table_peers(self) -> list[str]:
+        return sorted(str(pid) for pid in self._dht.routing_table.get_peer_ids())
+
+    # --- joining ----------------------------------------------------------------------
+
+    async def bootstrap(self, multiaddrs: Sequence[str]) -> list[str]:
+        """Join the swarm through these full multiaddrs (/ip4/…/tcp/…/p2p/PEER_ID).
+
+        Connects to each one (in order), adds it to the routing table, then looks this
+        node up through them to fill the table. Returns their peer ids. An address that
+        is malformed, is this node, or cannot be reached raises DialError (or
+        DialTimeoutError) naming it; peers connected before it stay connected.
+        """
+        peer_ids: list[str] = []
+        for multiaddr in multiaddrs:
+            peer_id = await self._host.connect(multiaddr)  # DialError names the address
+            await self.add_peer(peer_id)
+            peer_ids.append(peer_id)
+        if peer_ids:
+            await self.refresh()
+        return peer_ids
+
+    async def refresh(self) -> None:
+        """Refresh the routing table (lookups of this node and of random keys)."""
+        with trio.move_on_after(self._config.refresh_timeout_s) as scope:
+            await self._dht.refresh_routing_table()
+        if scope.cancelled_caught:
+            log.warning(
+                "DHT routing-table refresh took over %g s; continuing with %d peers",
+                self._config.refresh_timeout_s,
+                self._dht.get_routing_table_size(),
+            )
+
+    async def add_peer(self, peer_id: str, addrs: Sequence[str] = ()) -> bool:
+        """Add a peer to the routing table; True if it is there now.
+
+        For peers that connect to this node on their own (libp2p adds a peer by itself
+        only when the peer sends a DHT request). The routing table needs a dialable
+        address: `addrs` (multiaddrs, with or without /p2p/), else what identify learned.
+        For a connected peer whose identify is still running, waits for it (at most
+        add_peer_timeout_s). False if no address was learned in time or libp2p refused
+        the peer (a full bucket of live peers, a peer that does not serve the DHT).
+        Raises PeerError for a malformed peer id or address.
+        """
+        pid = _parse_peer_id(peer_id)
+        libp2p_host = self._host.libp2p
+        peerstore = libp2p_host.get_peerstore()
+        if addrs:
+            peerstore.add_addrs(pid, [_parse_addr(a, peer_id) for a in addrs], _ADDR_TTL_S)
+        with trio.move_on_after(self._config.add_peer_timeout_s):
+            while not _known_addrs(peerstore, pid):
+                if pid not in libp2p_host.get_connected_peers():
+                    log.debug("no address known for peer %s; not added", peer_id[-8:])
+                    return False
+                await trio.sleep(_IDENTIFY_POLL_S)  # identify fills the peerstore
+            return bool(await self._dht.add_peer(pid))
+        return False
+
+    # --- publishing -------------------------------------------------------------------
+
+    async def announce(self, identity: Identity, record: NodeRecord) -> None:
+        """Publish (or republish) this node's signed record for `record.model_id`.
+
+        Stores it at ``record_key`` on the closest peers and registers this node as a
+        provider of ``model_key``. Raises WrongOwnerError if `identity` or the record is
+        not this node's, another RecordError if the record would be refused (malformed,
+        already expired, over the size limit) or if this node withdrew the same model
+        less than `withdraw_ttl_s` ago (the withdrawal still wins). A network that does
+        not answer in time is logged: the record stays stored here and in reach of every
+        node that asks this node; the next republish tries again.
+        """
+        self._check_own(identity, record)
+        value = sign_record(identity, record)
+        await self._put(record_key(record.model_id, record.peer_id), value)
+        self._announced.add(record.model_id)
+        key = model_key(record.model_id)
+        with trio.move_on_after(self._config.publish_timeout_s) as scope:
+            await self._dht.provide(key)
+        if scope.cancelled_caught:
+            log.warning(
+                "announcing %s as a provider of %r took over %g s",
+                self._host.short_id,
+                record.model_id,
+                self._config.publish_timeout_s,
+            )
+
+    async def withdraw(self, identity: Identity, record: NodeRecord) -> None:
+        """Stop serving `record.model_id`: publish the record as "draining", short-lived.
+
+        Other nodes' `holders` stop listing this node at once (the draining record
+        replaces the ready one); it expires `withdraw_ttl_s` later.
+        """
+        self._check_own(identity, record)
+        draining = dataclasses.replace(
+            record, state="draining", expires_at=self._clock() + self._config.withdraw_ttl_s
+        )
+        self._announced.discard(record.model_id)
+        await self._put(
+            record_key(record.model_id, record.peer_id), sign_record(identity, draining)
+        )
+
+    async def _put(self, key: str, value: bytes) -> None:
+        with trio.move_on_after(self._config.publish_timeout_s) as scope:
+            try:
+                await self._dht.put_value(key, value)
+            except RecordError:
+                raise  # our own validator refused it (already counted)
+            except ValueError as exc:  # libp2p: "Refusing to replace newer value ..."
+                raise RecordError(
+                    f"the DHT holds a better record at {key} (a withdrawal less than "
+                    f"{self._config.withdraw_ttl_s:g} s old?): {exc}"
+                ) from exc
+        if scope.cancelled_caught:
+            log.warning(
+                "storing record %s on the DHT took over %g s (stored locally)",
+                key,
+                self._config.publish_timeout_s,
+            )
+
+    def _check_own(self, identity: Identity, record: NodeRecord) -> None:
+        if identity.peer_id != self._host.peer_id or record.peer_id != self._host.peer_id:
+            raise WrongOwnerError(
+                f"this node ({self._host.peer_id}) only publishes its own records, got "
+                f"identity {identity.peer_id} and a record of {record.peer_id}"
+            )
+
+    # --- looking up -------------------------------------------------------------------
+
+    async def holders(self, model_id: str) -> list[NodeRecord]:
+        """The valid, unexpired, non-draining records of the nodes serving `model_id`.
+
+        Sorted by peer id; this node is included if it announced the model. Takes at
+        most about lookup_timeout_s + rpc_timeout_s + record_timeout_s; what was not
+        found by then is left out. Refused records are counted in `stats`.
+        """
+        key = model_key(model_id)
+        peers = await self._find_providers(key)
+        if model_id in self._announced:
+            peers.add(self._host.peer_id)
+        results: dict[str, NodeRecord] = {}
+
+        async def fetch(peer_id: str) -> None:
+            async with self._fetch_limiter:
+                record = await self._fetch_record(model_id, peer_id)
+            if record is not None:
+                results[peer_id] = record
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in peers:
+                nursery.start_soon(fetch, peer_id)
+        return [results[p] for p in sorted(results)]
+
+    async def _find_providers(self, key: str) -> set[str]:
+        """Peer ids of the providers of `key`: this node's store + the k closest peers'.
+
+        Not `KadDHT.find_providers`: it answers from the local store alone once that
+        has any provider for the key.
+        """
+        key_bytes = key.encode("utf-8")
+        store = self._dht.provider_store
+        found = {str(info.peer_id) for info in store.get_providers(key_bytes)}
+        closest: list[ID] = []
+        with trio.move_on_after(self._config.lookup_timeout_s):
+            closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
+        peerstore = self._host.libp2p.get_peerstore()
+
+        async def ask(peer: ID) -> None:
+            with trio.move_on_after(self._config.rpc_timeout_s):
+                # libp2p's per-peer GET_PROVIDERS (it catches and logs its own errors).
+                providers, _closer = await store._get_providers_from_peer_with_closers(
+                    peer, key_bytes
+                )
+                for info in providers:
+                    found.add(str(info.peer_id))
+                    if info.addrs and info.peer_id != self._local_id:
+                        peerstore.add_addrs(info.peer_id, info.addrs, _ADDR_TTL_S)
+
+        async with trio.open_nursery() as nursery:
+            for peer in closest:
+                if peer != self._local_id:
+                    nursery.start_soon(ask, peer)
+        return found
+
+    async def _fetch_record(self, model_id: str, peer_id: str) -> NodeRecord | None:
+        """The best record of `peer_id` for `model_id`, checked; None if none is usable."""
+        key = record_key(model_id, peer_id)
+        key_bytes = key.encode("utf-8")
+        values: list[bytes] = []
+        if peer_id == self._host.peer_id:
+            own = self._dht.value_store.get(key_bytes)
+            if own is not None:
+                values.append(own.value)
+        else:
+            pid = _parse_peer_id_or_none(peer_id)
+            if pid is None:
+                return None
+            with trio.move_on_after(self._config.record_timeout_s):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._ask_owner, pid, key_bytes, values)
+                    nursery.start_soon(self._get_value, key, values)
+        if not values:
+            return None
+        best = values[self._validator.select(key, values)]
+        try:
+            record = decode_record(
+                best, self._clock(), expected_peer_id=peer_id, expected_model_id=model_id
+            )
+        except RecordError as exc:
+            self.stats.reject(exc)
+            log.debug("dropped the record of %s for %r: %s", peer_id[-8:], model_id, exc)
+            self._forget_provider(model_id, peer_id)
+            return None
+        if record.state == "draining":
+            self._forget_provider(model_id, peer_id)
+            return None
+        return record
+
+    async def _ask_owner(self, peer: ID, key_bytes: bytes, values: list[bytes]) -> None:
+        """The owner's own copy: the freshest, if the owner is up."""
+        with trio.move_on_after(self._config.rpc_timeout_s):
+            # libp2p's per-peer GET_VALUE (it catches and logs its own errors).
+            result = await self._dht.value_store._get_from_peer(peer, key_bytes, return_record=True)
+            value = getattr(result, "value", None)
+            if isinstance(value, bytes) and value:
+                values.append(value)
+
+    async def _get_value(self, key: str, values: list[bytes]) -> None:
+        """The DHT's copy (`get_value` validates what peers send, and selects)."""
+        key_bytes = key.encode("utf-8")
+        cached = self._dht.value_store.get(key_bytes)
+        if cached is not None and not self._validator.is_valid(key, cached.value):
+            # get_value would return this copy forever without asking the network.
+            self._dht.value_store.remove(key_bytes)
+        with trio.move_on_after(self._config.lookup_timeout_s):
+            value = await self._dht.get_value(key)
+            if value:
+                values.append(value)
+
+    def _forget_provider(self, model_id: str, peer_id: str) -> None:
+        """Drop a provider whose record is gone (libp2p keeps 20 per key for 48 h)."""
+        if peer_id == self._host.peer_id:
+            return
+        providers = self._dht.provider_store.providers.get(model_key(model_id).encode("utf-8"))
+        if providers is not None:
+            providers.pop(peer_id, None)
+
+
+@asynccontextmanager
+async def open_discovery(
+    host: P2PHost,
+    clock: Clock = time.time,
+    config: DiscoveryConfig | None = None,
+) -> AsyncIterator[Discovery]:
+    """Run a Kademlia DHT server on `host` (random walk off); stop it on exit.
+
+    Values are accepted only in namespaces with a validator: "swarmd" (`RecordValidator`)
+    and libp2p's "pk" and "ipns".
+    """
+    config = config or DiscoveryConfig()
+    _filter_noisy_dht_warning()
+    validator = RecordValidator(clock)
+    dht = KadDHT(host.libp2p, DHTMode.SERVER, enable_random_walk=False, strict_validation=True)
+    dht.register_validator(KEY_NAMESPACE, validator)
+    try:
+        async with background_trio_service(dht) as manager:
+            try:
+                yield Discovery(host, dht, validator, clock, config)
+            finally:
+                with trio.move_on_after(config.stop_timeout_s, shield=True):
+                    await manager.stop()
+    finally:
+        host.libp2p.remove_stream_handler(KAD_PROTOCOL_ID)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def _parse_peer_id_or_none(peer_id: str) -> ID | None:
+    if public_key_from_peer_id(peer_id) is None:
+        return None
+    try:
+        return ID.from_base58(peer_id)
+    except ValueError:
+        return None
+
+
+def _parse_peer_id(peer_id: str) -> ID:
+    pid = _parse_peer_id_or_none(peer_id)
+    if pid is None:
+        raise PeerError(f"{peer_id!r} is not an Ed25519 peer id", peer_id)
+    return pid
+
+
+def _parse_addr(addr: str, peer_id: str) -> Multiaddr:
+    """A transport multiaddr of `peer_id` (a trailing /p2p/ must name that peer)."""
+    transport, _, named = addr.partition("/p2p/")
+    if named and named != peer_id:
+        raise PeerError(f"{addr!r} is an address of another peer than {peer_id}", peer_id)
+    try:
+        return Multiaddr(transport)
+    except Exception as exc:  # multiaddr raises several unrelated types
+        raise PeerError(f"{addr!r} is not a multiaddr: {exc}", peer_id) from exc
+
+
+def _known_addrs(peerstore: IPeerStore, pid: ID) -> bool:
+    try:
+        return bool(peerstore.addrs(pid))
+    except PeerStoreError:
+        return False
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.text))
+
+
+def _filter_noisy_dht_warning() -> None:
+    dht_logger = logging.getLogger("libp2p.kad_dht.kad_dht")
+    if not any(isinstance(f, _DropMessage) for f in dht_logger.filters):
+        dht_logger.addFilter(_DropMessage(_NOISY_DHT_WARNING))

@@ -1,0 +1,103 @@
+"""`SwarmGate`: a private swarm keeps only the peers that prove the same swarm key.
+
+Right after a connection opens, each side proves itself on `/swarmd/auth/1`: the
+answering side sends a fresh challenge, the prover returns an HMAC bound to both peer ids
+(`auth.prove`) and its own challenge, and gets the answering side's proof back. A peer
+that does not prove the key in time (another key, no key, or silence) is disconnected and
+banned; until it has proved it, nothing it announces is used. Trio code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from swarmd.errors import PeerError, SwarmError
+from swarmd.net.auth import SwarmKey, check_proof, make_challenge, prove
+from swarmd.net.frames import FrameStream
+from swarmd.net.host import P2PHost
+from swarmd.net.peers import PeerTable
+
+log = logging.getLogger(__name__)
+
+AUTH_PROTOCOL = "/swarmd/auth/1"
+AUTH_TIMEOUT_S = 5.0  # the whole exchange, either side
+WATCH_INTERVAL_S = 0.1  # how soon a new connection is challenged
+
+
+class SwarmGate:
+    def __init__(self, host: P2PHost, key: SwarmKey, peers: PeerTable) -> None:
+        self._host = host
+        self._key = key
+        self._peers = peers
+        self._proven: set[str] = set()
+        self._pending: set[str] = set()
+        host.set_handler(AUTH_PROTOCOL, self._answer)
+
+    def allows(self, peer_id: str) -> bool:
+        return peer_id == self._host.peer_id or peer_id in self._proven
+
+    async def watch(self) -> None:
+        """Challenge every new connection; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                connected = set(self._host.connected_peers())
+                self._proven &= connected  # a reconnection proves itself again
+                now = time.time()
+                for peer_id in connected - self._proven - self._pending:
+                    if self._peers.is_banned(peer_id, now):
+                        await self._host.disconnect(peer_id)
+                        continue
+                    self._pending.add(peer_id)
+                    nursery.start_soon(self._check, peer_id)
+                await trio.sleep(WATCH_INTERVAL_S)
+
+    async def _check(self, peer_id: str) -> None:
+        try:
+            with trio.fail_after(AUTH_TIMEOUT_S):
+                await self._prove_to(peer_id)
+            self._proven.add(peer_id)
+        except (SwarmError, trio.TooSlowError) as exc:
+            await self._refuse(peer_id, f"did not prove the swarm key: {exc or 'timeout'}")
+        finally:
+            self._pending.discard(peer_id)
+
+    async def _prove_to(self, peer_id: str) -> None:
+        me = self._host.peer_id
+        async with await self._host.open_stream(peer_id, AUTH_PROTOCOL) as stream:
+            their_challenge = _bytes(await stream.recv(AUTH_TIMEOUT_S), "challenge", peer_id)
+            mine = make_challenge()
+            proof = prove(self._key, their_challenge, me, peer_id)
+            await stream.send({"proof": proof, "challenge": mine})
+            answer = _bytes(await stream.recv(AUTH_TIMEOUT_S), "proof", peer_id)
+            if not check_proof(self._key, mine, peer_id, me, answer):
+                raise PeerError(f"peer {peer_id[-8:]} answered with a wrong proof", peer_id)
+
+    async def _answer(self, stream: FrameStream) -> None:
+        peer_id, me = stream.peer_id, self._host.peer_id
+        challenge = make_challenge()
+        with trio.fail_after(AUTH_TIMEOUT_S):
+            await stream.send({"challenge": challenge})
+            reply = await stream.recv(AUTH_TIMEOUT_S)
+            proof = _bytes(reply, "proof", peer_id)
+            theirs = _bytes(reply, "challenge", peer_id)
+            if not check_proof(self._key, challenge, peer_id, me, proof):
+                await self._refuse(peer_id, "sent a wrong swarm-key proof")
+                return
+            self._proven.add(peer_id)
+            await stream.send({"proof": prove(self._key, theirs, me, peer_id)})
+
+    async def _refuse(self, peer_id: str, reason: str) -> None:
+        self._proven.discard(peer_id)
+        self._peers.ban(peer_id, reason, time.time())
+        log.warning("DIAG: peer refused peer=%s reason=%s", peer_id[-8:], reason)
+        await self._host.disconnect(peer_id)
+
+
+def _bytes(message: dict[str, object], field: str, peer_id: str) -> bytes:
+    value = message.get(field)
+    if not isinstance(value, bytes) or len(value) > 64:
+        raise PeerError(f"peer {peer_id[-8:]} sent no valid '{field}'", peer_id)
+    return value

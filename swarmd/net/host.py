@@ -1,0 +1,358 @@
+"""The node's libp2p host (trio): Noise-only, yamux, framed streams, typed errors.
+
+`open_host` builds a py-libp2p host for an `Identity` and yields a small `P2PHost`:
+its full multiaddrs, `connect`, `set_handler`, `open_stream` (a `FrameStream`), and the
+raw libp2p host as `.libp2p` (for the DHT). libp2p's defaults are changed where they hurt
+(measured in shared/notes/libp2p.md):
+
+- security: Noise (XX) only. A default libp2p host also accepts plaintext, TLS and SECIO.
+- `max_connections_per_peer=1`: below that limit every dial waits a fixed 250 ms.
+- health monitoring on: a silent peer (SIGSTOP, cable pulled) would otherwise leave reads
+  hanging forever; now its connection is closed after a failed ping.
+- the auto-connector is stopped: libp2p would dial peers from its peerstore (up to 150
+  connections) on its own; swarmd decides whom it talks to.
+- libp2p listens with SO_REUSEPORT, so a second node on the same port "succeeds" and the
+  kernel splits incoming connections between the two: a fixed port is checked first.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.utils.address_validation import expand_wildcard_address
+from multiaddr import Multiaddr
+
+from swarmd.errors import ConfigError, DialError, DialTimeoutError, IdentityError, SwarmError
+from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream
+from swarmd.net.identity import Identity, public_key_from_peer_id
+
+if TYPE_CHECKING:
+    from libp2p.abc import IHost, INetStream
+
+__all__ = ["HostConfig", "P2PHost", "StreamHandler", "open_host"]
+
+log = logging.getLogger(__name__)
+
+StreamHandler = Callable[[FrameStream], Awaitable[None]]
+
+# What libp2p raises when a dial or a stream fails (its errors, and raw socket errors).
+_LIBP2P_ERRORS = (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+_CLOSE_TIMEOUT_S = 5.0  # closing the host: connections, listeners, transports
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    connect_timeout_s: float = 10.0  # TCP connect + Noise + yamux, per `connect`
+    open_stream_timeout_s: float = 10.0  # new stream + protocol negotiation
+    send_timeout_s: float = 10.0  # one frame written (a peer that stops reading)
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES  # per frame, both directions
+    dial_retries: int = 1  # libp2p's redials of a failed address (its default: 3)
+    health_check_interval_s: float = 5.0  # libp2p pings every connection this often
+    health_ping_timeout_s: float = 5.0  # a ping slower than this closes the connection
+
+
+class P2PHost:
+    """A running libp2p host, as swarmd uses it. Made by `open_host`."""
+
+    def __init__(self, libp2p_host: IHost, identity: Identity, config: HostConfig) -> None:
+        self._host = libp2p_host
+        self._config = config
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.short_id = identity.short_id
+
+    @property
+    def libp2p(self) -> IHost:
+        """The py-libp2p host itself (to attach a DHT)."""
+        return self._host
+
+    @property
+    def config(self) -> HostConfig:
+        return self._config
+
+    @property
+    def addrs(self) -> list[str]:
+        """Full multiaddrs others can connect to: /ip4/IP/tcp/PORT/p2p/PEER_ID.
+
+        A wildcard listen address (0.0.0.0, ::) is replaced by this machine's interfaces.
+        """
+        return [
+            f"{addr}/p2p/{self.peer_id}"
+            for listen_addr in self._host.get_transport_addrs()
+            for addr in expand_wildcard_address(listen_addr)
+        ]
+
+    @property
+    def port(self) -> int:
+        """The TCP port it listens on (the real one when 0 was asked for)."""
+        for addr in self._host.get_transport_addrs():
+            return int(addr.value_for_protocol("tcp"))
+        raise ConfigError("the libp2p host is not listening")
+
+    def connected_peers(self) -> list[str]:
+        return [str(pid) for pid in self._host.get_connected_peers()]
+
+    async def connect(self, multiaddr: str, timeout_s: float | None = None) -> str:
+        """Connect to a full multiaddr (with /p2p/PEER_ID); return the peer id.
+
+        An explicit connect is tried even if the peer failed recently (libp2p otherwise
+        refuses redials for 60 s). Noise proves the peer holds the key of that peer id.
+        """
+        try:
+            info = info_from_p2p_addr(Multiaddr(multiaddr))
+        except ValueError as exc:
+            raise DialError(
+                f"'{multiaddr}' is not a multiaddr with a /p2p/ peer id: {exc}"
+            ) from exc
+        peer_id = str(info.peer_id)
+        if peer_id == self.peer_id:
+            raise DialError(f"'{multiaddr}' is this node itself", peer_id)
+        timeout = self._config.connect_timeout_s if timeout_s is None else timeout_s
+        self._host.get_network().unblock_peer(info.peer_id)
+        try:
+            with trio.fail_after(timeout):
+                await self._host.connect(info)
+        except trio.TooSlowError:
+            raise DialTimeoutError(
+                f"connecting to {multiaddr} took more than {timeout:g} s", peer_id
+            ) from None
+        except _LIBP2P_ERRORS as exc:
+            raise DialError(f"cannot connect to {multiaddr}: {_reason(exc)}", peer_id) from exc
+        return peer_id
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close every connection to a peer (its streams end with errors)."""
+        try:
+            await self._host.disconnect(_parse_peer_id(peer_id))
+        except _LIBP2P_ERRORS as exc:
+            log.debug("disconnect from %s: %s", peer_id[-8:], _reason(exc))
+
+    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve `protocol`: each incoming stream runs `handler(FrameStream)`.
+
+        The stream is closed when the handler returns and reset when it raises. A handler
+        that raises never disturbs the connection: SwarmErrors (a peer's bad frame, a
+        timeout) are logged at debug level, anything else with its traceback.
+        """
+
+        async def on_stream(stream: INetStream) -> None:
+            framed = self._frame_stream(stream)
+            done = False
+            try:
+                await handler(framed)
+                done = True
+            except SwarmError as exc:
+                log.debug("%s stream from %s failed: %s", protocol, framed.peer_id[-8:], exc)
+            except Exception:
+                log.exception("handler of %s failed (peer %s)", protocol, framed.peer_id[-8:])
+            finally:
+                if done:
+                    await framed.close()
+                else:
+                    await framed.reset()
+
+        self._host.set_stream_handler(TProtocol(protocol), on_stream)
+
+    async def open_stream(
+        self, peer_id: str, protocol: str, timeout_s: float | None = None
+    ) -> FrameStream:
+        """A new stream to a peer on `protocol` (dials the peer if needed)."""
+        pid = _parse_peer_id(peer_id)
+        timeout = self._config.open_stream_timeout_s if timeout_s is None else timeout_s
+        try:
+            with trio.fail_after(timeout):
+                stream = await self._host.new_stream(pid, [TProtocol(protocol)])
+        except trio.TooSlowError:
+            raise DialTimeoutError(
+                f"opening a {protocol} stream to peer {peer_id[-8:]} took more than {timeout:g} s",
+                peer_id,
+            ) from None
+        except _LIBP2P_ERRORS as exc:
+            raise DialError(
+                f"cannot open a {protocol} stream to peer {peer_id[-8:]}: {_reason(exc)}",
+                peer_id,
+            ) from exc
+        return self._frame_stream(stream)
+
+    def _frame_stream(self, stream: INetStream) -> FrameStream:
+        return FrameStream(
+            stream,
+            max_frame_bytes=self._config.max_frame_bytes,
+            send_timeout_s=self._config.send_timeout_s,
+        )
+
+    def __repr__(self) -> str:
+        return f"P2PHost(peer_id={self.peer_id!r}, addrs={self.addrs!r})"
+
+
+@asynccontextmanager
+async def open_host(
+    identity: Identity,
+    listen_port: int,
+    host_ip: str = "127.0.0.1",
+    config: HostConfig | None = None,
+) -> AsyncIterator[P2PHost]:
+    """Run a libp2p host listening on host_ip:listen_port (0: any free port).
+
+    Everything it opened is closed when the block exits. Raises ConfigError for a bad
+    address or a port in use, IdentityError if libp2p derives another peer id.
+    """
+    config = config or HostConfig()
+    listen_addr = _listen_multiaddr(host_ip, listen_port)
+    _check_can_listen(host_ip, listen_port)
+    libp2p_host = _new_libp2p_host(identity, config)
+    if str(libp2p_host.get_id()) != identity.peer_id:
+        raise IdentityError(
+            f"libp2p derives peer id {libp2p_host.get_id()} from this node's key, "
+            f"expected {identity.peer_id}"
+        )
+    stop = trio.Event()
+    body_error: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            listening = await nursery.start(_run_libp2p_host, libp2p_host, listen_addr, stop)
+            if not listening:
+                raise ConfigError(f"cannot listen on {listen_addr} (see the libp2p log)")
+            host = P2PHost(libp2p_host, identity, config)
+            log.info("libp2p host %s listening on %s", identity.short_id, ", ".join(host.addrs))
+            yield host
+        except Exception as exc:
+            # Carried past the nursery, so the caller gets it as it is, not in a group.
+            body_error = exc
+        finally:
+            stop.set()
+    if body_error is not None:
+        raise body_error
+
+
+async def _run_libp2p_host(
+    libp2p_host: IHost,
+    listen_addr: Multiaddr,
+    stop: trio.Event,
+    task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run libp2p until `stop`, then close it gracefully, shielded from the caller.
+
+    libp2p's tasks are not safe to cancel at any point: a cancelled block would cancel
+    them mid-cleanup and leak sockets (a connection marked closed whose socket never
+    is). So they run shielded, and `stop` closes every connection, then the host, with
+    nothing cancelled; only if that hangs past the deadline is libp2p cancelled.
+    """
+    with trio.CancelScope(shield=True) as scope:
+        async with libp2p_host.run([listen_addr]):
+            await libp2p_host.get_network().auto_connector.stop()  # swarmd picks its peers
+            task_status.started(bool(libp2p_host.get_transport_addrs()))
+            await stop.wait()
+            scope.deadline = trio.current_time() + 2 * _CLOSE_TIMEOUT_S
+            await _close_libp2p_host(libp2p_host)
+
+
+async def _close_libp2p_host(libp2p_host: IHost) -> None:
+    """Close every connection (in parallel: libp2p's yamux close sleeps 100 ms), then the
+    host itself (listeners, transports)."""
+
+    async def close_quietly(close: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await close()
+        except _LIBP2P_ERRORS as exc:
+            log.debug("closing libp2p: %s", _reason(exc))
+
+    with trio.move_on_after(_CLOSE_TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            for conns in list(libp2p_host.get_network().connections.values()):
+                for conn in list(conns):
+                    nursery.start_soon(close_quietly, conn.close)
+        await close_quietly(libp2p_host.close)
+
+
+def _new_libp2p_host(identity: Identity, config: HostConfig) -> IHost:
+    key_pair = create_new_key_pair(seed=identity.private_seed)
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    connection_config = ConnectionConfig(
+        max_connections_per_peer=1,  # at the limit a dial skips the fixed 250 ms wait
+        dial_timeout=config.connect_timeout_s,
+        enable_health_monitoring=True,
+        health_initial_delay=config.health_check_interval_s,
+        health_warmup_window=config.health_check_interval_s,  # libp2p's default: 5 s
+        health_check_interval=config.health_check_interval_s,
+        ping_timeout=config.health_ping_timeout_s,
+        abort_connection_on_ping_failure=True,
+    )
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: the default adds plaintext
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        connection_config=connection_config,
+    )
+    # new_host takes no retry config; the swarm reads this attribute on every dial.
+    host.get_network().retry_config = RetryConfig(max_retries=config.dial_retries)
+    return host
+
+
+def _listen_multiaddr(host_ip: str, port: int) -> Multiaddr:
+    try:
+        ip = ipaddress.ip_address(host_ip)
+    except ValueError:
+        raise ConfigError(f"the p2p listen host must be an IP address, got {host_ip!r}") from None
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"the p2p port must be in 0..65535, got {port!r}")
+    return Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}")
+
+
+def _check_can_listen(host_ip: str, port: int) -> None:
+    """Refuse an address libp2p would fail on quietly, or share with another process.
+
+    libp2p only logs a failed listen, and listens with SO_REUSEPORT: a second node on a
+    busy port would start and the kernel would split incoming connections between them.
+    """
+    family = socket.AF_INET6 if ipaddress.ip_address(host_ip).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+        try:
+            probe.bind((host_ip, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"the p2p port {port} on {host_ip} is already in use; "
+                    "choose another with --p2p-port (0 picks a free one)"
+                ) from exc
+            raise ConfigError(f"cannot listen on {host_ip}:{port}: {exc}") from exc
+
+
+def _parse_peer_id(peer_id: str) -> ID:
+    if public_key_from_peer_id(peer_id) is None:
+        raise DialError(f"{peer_id!r} is not an Ed25519 peer id")
+    return ID.from_base58(peer_id)
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost message of a libp2p error chain (the outer ones say "dial failed")."""
+    reason = str(exc) or type(exc).__name__
+    current: BaseException | None = exc
+    for _ in range(6):
+        current = current.__cause__ or current.__context__ if current else None
+        if current is None:
+            break
+        if str(current):
+            reason = str(current)
+    return reason

@@ -1,0 +1,253 @@
+"""The peer table: what this node measured about its peers, and whom it has banned (pure).
+
+No I/O and no clock: every method that needs the time takes ``now`` (unix seconds). The
+networking code feeds it samples; the scheduler and the diagnostics read `snapshot()`
+and `bans(now)`.
+
+Measurements are exponentially weighted moving averages: the first sample is taken as
+is, each later one moves the estimate by ``alpha`` of the difference.
+
+Bans grow with repeat offences and are forgotten with good behaviour (`BanPolicy`):
+
+- the n-th offence bans for ``min(base_s * 2 ** (n - 1), max_s)``: 30 s, 60 s, 120 s ...
+  up to one hour;
+- each ``decay_s`` that passes after a ban ends without a new offence takes one offence
+  off the count, so a peer that behaves for long enough starts again at ``base_s``;
+- an offence while the peer is still banned does not escalate the ban (one broken
+  connection often reports several failures at once); it is ignored.
+
+The table is bounded (``max_peers``, ``max_bans``) because peers decide how many peer
+ids we hear of; when full it forgets the peer seen least recently, and drops the ban
+entries already forgiven, then the one that ends (or ended) first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["BanPolicy", "BanRow", "PeerRow", "PeerTable"]
+
+
+@dataclass(frozen=True)
+class BanPolicy:
+    base_s: float = 30.0  # the first ban
+    max_s: float = 3600.0  # no ban is longer
+    decay_s: float = 600.0  # quiet time after a ban that forgives one offence
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    """One peer as the table knows it (immutable; None where never measured)."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    rtt_ms: float | None  # EWMA of round-trip samples
+    last_seen: float | None  # unix seconds
+    throughput_bps: float | None  # EWMA of transfer rates, bytes/s
+    failures: int  # failed calls since the peer entered the table
+
+
+@dataclass(frozen=True)
+class BanRow:
+    peer_id: str
+    reason: str  # the latest offence
+    until: float  # unix seconds
+    remaining_s: float
+    offences: int  # counting the one that caused this ban
+
+
+class _Peer:
+    __slots__ = ("addrs", "failures", "last_seen", "rtt_ms", "throughput_bps")
+
+    def __init__(self) -> None:
+        self.addrs: tuple[str, ...] = ()
+        self.rtt_ms: float | None = None
+        self.last_seen: float | None = None
+        self.throughput_bps: float | None = None
+        self.failures = 0
+
+
+class _Ban:
+    __slots__ = ("offences", "reason", "until")
+
+    def __init__(self, offences: int, reason: str, until: float) -> None:
+        self.offences = offences
+        self.reason = reason
+        self.until = until
+
+
+def _ewma(old: float | None, sample: float, alpha: float) -> float:
+    return sample if old is None else old + alpha * (sample - old)
+
+
+def _check_sample(name: str, value: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return float(value)
+
+
+class PeerTable:
+    """Per-peer measurements and bans; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        *,
+        rtt_alpha: float = 0.125,  # as TCP's smoothed RTT (RFC 6298)
+        throughput_alpha: float = 0.25,
+        ban_policy: BanPolicy | None = None,
+        max_peers: int = 4096,
+        max_bans: int = 4096,
+    ) -> None:
+        for name, alpha in (("rtt_alpha", rtt_alpha), ("throughput_alpha", throughput_alpha)):
+            if not 0 < alpha <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {alpha}")
+        if max_peers < 1 or max_bans < 1:
+            raise ValueError("max_peers and max_bans must be at least 1")
+        self._rtt_alpha = rtt_alpha
+        self._throughput_alpha = throughput_alpha
+        self._policy = ban_policy or BanPolicy()
+        self._max_peers = max_peers
+        self._max_bans = max_bans
+        self._peers: dict[str, _Peer] = {}
+        self._bans: dict[str, _Ban] = {}
+
+    # --- measurements -------------------------------------------------------------------
+
+    def _peer(self, peer_id: str) -> _Peer:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            if len(self._peers) >= self._max_peers:
+                stalest = min(self._peers, key=self._last_seen_key)
+                del self._peers[stalest]
+            peer = self._peers[peer_id] = _Peer()
+        return peer
+
+    def _last_seen_key(self, peer_id: str) -> float:
+        last_seen = self._peers[peer_id].last_seen
+        return -math.inf if last_seen is None else last_seen
+
+    def seen(self, peer_id: str, now: float) -> None:
+        """The peer was heard from at `now` (never moves last_seen backwards)."""
+        peer = self._peer(peer_id)
+        if peer.last_seen is None or now > peer.last_seen:
+            peer.last_seen = now
+
+    def set_addrs(self, peer_id: str, addrs: tuple[str, ...] | list[str]) -> None:
+        self._peer(peer_id).addrs = tuple(addrs)
+
+    def record_rtt(self, peer_id: str, ms: float, now: float) -> None:
+        """A round trip to the peer took `ms` milliseconds (it is also seen at `now`)."""
+        sample = _check_sample("ms", ms)
+        self.seen(peer_id, now)
+        peer = self._peers[peer_id]
+        peer.rtt_ms = _ewma(peer.rtt_ms, sample, self._rtt_alpha)
+
+    def record_transfer(self, peer_id: str, nbytes: int, seconds: float, now: float) -> None:
+        """`nbytes` went to or came from the peer in `seconds`; updates throughput."""
+        size = _check_sample("nbytes", nbytes)
+        duration = _check_sample("seconds", seconds)
+        self.seen(peer_id, now)
+        if duration == 0:
+            return  # too fast to measure: no rate to learn from
+        peer = self._peers[peer_id]
+        peer.throughput_bps = _ewma(peer.throughput_bps, size / duration, self._throughput_alpha)
+
+    def record_failure(self, peer_id: str) -> int:
+        """A call to the peer failed; returns its failure count."""
+        peer = self._peer(peer_id)
+        peer.failures += 1
+        return peer.failures
+
+    def forget(self, peer_id: str) -> None:
+        """Drop the peer's measurements (its ban, if any, stays)."""
+        self._peers.pop(peer_id, None)
+
+    def get(self, peer_id: str) -> PeerRow | None:
+        peer = self._peers.get(peer_id)
+        return None if peer is None else self._row(peer_id, peer)
+
+    def snapshot(self) -> tuple[PeerRow, ...]:
+        """Every known peer, sorted by peer id."""
+        return tuple(self._row(pid, self._peers[pid]) for pid in sorted(self._peers))
+
+    @staticmethod
+    def _row(peer_id: str, peer: _Peer) -> PeerRow:
+        return PeerRow(
+            peer_id=peer_id,
+            addrs=peer.addrs,
+            rtt_ms=peer.rtt_ms,
+            last_seen=peer.last_seen,
+            throughput_bps=peer.throughput_bps,
+            failures=peer.failures,
+        )
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, peer_id: object) -> bool:
+        return peer_id in self._peers
+
+    # --- bans ---------------------------------------------------------------------------
+
+    def _offences_now(self, ban: _Ban, now: float) -> int:
+        """The offence count after decay: one forgiven per `decay_s` since the ban ended."""
+        if now < ban.until:
+            return ban.offences
+        forgiven = int((now - ban.until) // self._policy.decay_s)
+        return max(0, ban.offences - forgiven)
+
+    def ban(self, peer_id: str, reason: str, now: float) -> float:
+        """Ban the peer for its offence at `now`; returns the time the ban ends."""
+        ban = self._bans.get(peer_id)
+        if ban is not None and now < ban.until:
+            return ban.until  # already banned: the same incident, reported again
+        offences = (self._offences_now(ban, now) if ban is not None else 0) + 1
+        policy = self._policy
+        # Cap the exponent first: 2 ** huge would overflow a float.
+        length = min(policy.base_s * 2.0 ** min(offences - 1, 64), policy.max_s)
+        if ban is None:
+            self._prune_bans(now)
+        self._bans[peer_id] = _Ban(offences, reason, now + length)
+        return now + length
+
+    def unban(self, peer_id: str, now: float) -> None:
+        """Lift the peer's ban at `now`; its offence count is kept and decays from `now`."""
+        ban = self._bans.get(peer_id)
+        if ban is not None:
+            ban.until = min(ban.until, now)
+
+    def is_banned(self, peer_id: str, now: float) -> bool:
+        ban = self._bans.get(peer_id)
+        return ban is not None and now < ban.until
+
+    def bans(self, now: float) -> tuple[BanRow, ...]:
+        """The bans in force at `now`, sorted by peer id."""
+        return tuple(
+            BanRow(
+                peer_id=pid,
+                reason=ban.reason,
+                until=ban.until,
+                remaining_s=ban.until - now,
+                offences=ban.offences,
+            )
+            for pid, ban in sorted(self._bans.items())
+            if now < ban.until
+        )
+
+    def offences(self, peer_id: str, now: float) -> int:
+        """The peer's offence count at `now`, after decay (0 for a peer never banned)."""
+        ban = self._bans.get(peer_id)
+        return 0 if ban is None else self._offences_now(ban, now)
+
+    def _prune_bans(self, now: float) -> None:
+        """Make room for one more ban entry: drop forgiven ones, then the one ending first."""
+        if len(self._bans) < self._max_bans:
+            return
+        for pid in [p for p, b in self._bans.items() if self._offences_now(b, now) == 0]:
+            del self._bans[pid]
+        while len(self._bans) >= self._max_bans:
+            oldest = min(self._bans, key=lambda p: self._bans[p].until)
+            del self._bans[oldest]

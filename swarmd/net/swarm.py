@@ -1,0 +1,163 @@
+"""`SwarmPresence`: this node's life in the swarm, on the trio side of the bridge.
+
+It owns the libp2p host, the DHT and the RPC service for as long as the node runs:
+joins through the bootstrap peers, announces a signed record per model it serves and
+renews it, pings the peers it knows to keep the peer table's RTTs fresh, and withdraws its
+records when it stops. Trio code only: the asyncio side reaches it through `TrioBridge`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from swarmd.dht.discovery import Discovery, open_discovery
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import InternalError, PeerError, SwarmError
+from swarmd.net.auth import SwarmKey
+from swarmd.net.gate import SwarmGate
+from swarmd.net.host import P2PHost, open_host
+from swarmd.net.identity import Identity
+from swarmd.net.peers import PeerRow, PeerTable
+from swarmd.net.rpc import RpcService, call_ping
+
+log = logging.getLogger(__name__)
+
+WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
+PING_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    listen_host: str
+    listen_port: int  # 0 = any free port
+    bootstrap: tuple[str, ...]
+    republish_interval_s: float
+    swarm_key: SwarmKey | None = None  # a private swarm: only peers that prove this key
+
+
+class SwarmPresence:
+    def __init__(
+        self,
+        identity: Identity,
+        settings: SwarmSettings,
+        make_record: Callable[[P2PHost], NodeRecord],
+    ) -> None:
+        self.identity = identity
+        self.settings = settings
+        self.peers = PeerTable()
+        self._make_record = make_record
+        self._host: P2PHost | None = None
+        self._discovery: Discovery | None = None
+        self._ready = trio.Event()
+        self._failure: SwarmError | None = None
+        self._last_record: NodeRecord | None = None
+        self.addrs: list[str] = []  # full multiaddrs, set once the host listens
+        self._gate: SwarmGate | None = None
+
+    @property
+    def host(self) -> P2PHost:
+        if self._host is None:
+            raise InternalError("the libp2p host is not running")
+        return self._host
+
+    @property
+    def discovery(self) -> Discovery:
+        if self._discovery is None:
+            raise InternalError("the DHT is not running")
+        return self._discovery
+
+    async def run(self) -> None:
+        """Runs until cancelled; `wait_ready` returns once the first announcement is out."""
+        try:
+            async with (
+                open_host(
+                    self.identity, self.settings.listen_port, self.settings.listen_host
+                ) as host,
+                open_discovery(host) as discovery,
+                trio.open_nursery() as nursery,
+            ):
+                RpcService(host)
+                if self.settings.swarm_key is not None:
+                    self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
+                    nursery.start_soon(self._gate.watch)
+                self._host, self._discovery = host, discovery
+                self.addrs = host.addrs
+                try:
+                    await self._join(discovery)
+                    await self._announce()
+                    self._ready.set()
+                    await self._renew_forever()
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(WITHDRAW_TIMEOUT_S):
+                        await self._withdraw()
+                    self._host = self._discovery = None
+                    nursery.cancel_scope.cancel()
+        except SwarmError as exc:
+            # Kept for wait_ready rather than raised: an error escaping a background task
+            # would end the whole trio run, and the node is stopping anyway.
+            log.error("the swarm layer stopped: %s", exc)
+            self._failure = exc
+            self._ready.set()
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    async def holders(self, model_id: str) -> list[NodeRecord]:
+        records = await self.discovery.holders(model_id)
+        if self._gate is None:
+            return records
+        # In a private swarm a record counts only once its owner has proved the key.
+        return [r for r in records if self._gate.allows(r.peer_id)]
+
+    async def _join(self, discovery: Discovery) -> None:
+        if not self.settings.bootstrap:
+            return
+        joined = await discovery.bootstrap(self.settings.bootstrap)
+        now = time.time()
+        for peer_id in joined:
+            self.peers.seen(peer_id, now)
+        log.info("joined the swarm through %d bootstrap peer(s)", len(joined))
+
+    async def _announce(self) -> None:
+        record = self._make_record(self.host)
+        await self.discovery.announce(self.identity, record)
+        self._last_record = record
+
+    async def _withdraw(self) -> None:
+        if self._last_record is not None and self._discovery is not None:
+            try:
+                await self._discovery.withdraw(self.identity, self._last_record)
+            except SwarmError as exc:
+                log.warning("could not withdraw this node's records: %s", exc)
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await trio.sleep(self.settings.republish_interval_s)
+            await self._refresh_peers()
+            try:
+                await self._announce()
+            except SwarmError as exc:  # a DHT hiccup must not end the node
+                log.warning("announcement failed, retrying next period: %s", exc)
+
+    async def _refresh_peers(self) -> None:
+        host = self.host
+        for peer_id in host.connected_peers():
+            try:
+                rtt_s = await call_ping(host, peer_id, timeout_s=PING_TIMEOUT_S)
+            except PeerError as exc:
+                self.peers.record_failure(peer_id)
+                log.debug("ping %s failed: %s", peer_id[-8:], exc)
+                continue
+            self.peers.record_rtt(peer_id, rtt_s * 1000.0, time.time())
+
+    async def snapshot(self) -> tuple[list[str], tuple[PeerRow, ...]]:
+        """Connected peer ids and the peer table, read on the trio side."""
+        connected = self.host.connected_peers() if self._host is not None else []
+        return connected, self.peers.snapshot()

@@ -1,0 +1,177 @@
+"""Several real nodes on 127.0.0.1 find each other through the DHT alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import NodeProcess, http_json, start_node, wait_until
+
+pytestmark = pytest.mark.e2e
+
+TTL_S = 10.0
+REPUBLISH_S = 2.0
+
+
+@pytest.fixture
+def swarm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Short record lifetimes keep the test quick; the defaults are 60 s and 20 s.
+    monkeypatch.setenv("SWARMD_RECORD_TTL_S", str(TTL_S))
+    monkeypatch.setenv("SWARMD_REPUBLISH_INTERVAL_S", str(REPUBLISH_S))
+    monkeypatch.setenv("SWARMD_TORCH_THREADS", "1")
+
+
+@pytest.fixture
+def nodes(swarm_env: None) -> Iterator[list[NodeProcess]]:
+    started: list[NodeProcess] = []
+    yield started
+    for node in started:
+        node.stop()
+
+
+def holders(node: NodeProcess) -> dict[str, list[int]]:
+    entry = node.get_json("/v1/models")["data"][0]  # type: ignore[index]
+    return {h["peer_id"]: h["layers"] for h in entry["swarm"]["holders"]}
+
+
+def test_five_nodes_discover_each_other_and_forget_a_dead_one(
+    nodes: list[NodeProcess], test_cache_dir: Path, tmp_path: Path, smollm_dir: Path
+) -> None:
+    def launch(name: str, *extra: str) -> NodeProcess:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        args = ["--port", "0", "--p2p-port", "0", "--cache-dir", str(test_cache_dir)]
+        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
+        nodes.append(node)
+        return node
+
+    a = launch("a")
+    join = ["--bootstrap", a.p2p_addrs[0]]
+    b = launch("b", "--layers", "0:15", *join)
+    c = launch("c", "--layers", "15:30", *join)
+    d = launch("d", *join)
+    e = launch("e", *join)  # knows only A
+    ids = {id(n): str(n.health()["peer_id"]) for n in (a, b, c, d, e)}
+
+    def sees_everyone() -> bool:
+        found = holders(e)
+        return all(ids[id(n)] in found for n in (b, c, d))
+
+    assert wait_until(sees_everyone, 10.0, interval_s=0.25), holders(e)
+    found = holders(e)
+    assert (
+        found[ids[id(b)]] == [0, 15]
+        and found[ids[id(c)]] == [15, 30]
+        and found[ids[id(d)]] == [0, 30]
+    )
+    entry = e.get_json("/v1/models")["data"][0]  # type: ignore[index]
+    assert entry["swarm"]["complete"] is True and entry["swarm"]["coverage"] == [[0, 30]]
+
+    # A partial node cannot route yet: 503 naming the layers it lacks.
+    status, body, headers = http_json(
+        b.url + "/v1/chat/completions",
+        {"model": b.model_id, "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert status == 503 and "15:30" in body["error"]["message"]
+    assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) > 0
+
+    os.kill(c.proc.pid, signal.SIGKILL)
+    c.proc.wait(timeout=10)
+
+    def forgot_c() -> bool:
+        found = holders(e)
+        return ids[id(c)] not in found and ids[id(b)] in found and ids[id(d)] in found
+
+    assert wait_until(forgot_c, TTL_S + REPUBLISH_S + 5.0, interval_s=0.5), holders(e)
+
+
+def test_peers_lists_the_other_node(
+    nodes: list[NodeProcess], test_cache_dir: Path, tmp_path: Path, tiny_chat_dir: Path
+) -> None:
+    import subprocess
+    import sys
+
+    def launch(name: str, *extra: str) -> NodeProcess:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        args = ["--model", str(tiny_chat_dir), "--port", "0", "--p2p-port", "0"]
+        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
+        nodes.append(node)
+        return node
+
+    first = launch("first")
+    second = launch("second", "--bootstrap", first.p2p_addrs[0])
+    first_id, second_id = (str(n.health()["peer_id"]) for n in (first, second))
+    assert first.health()["addrs"] == first.p2p_addrs
+
+    def lists(node: NodeProcess, other: str) -> bool:
+        peers = node.get_json("/api/peers")["peers"]  # type: ignore[index]
+        return any(p["peer_id"] == other and p["serves"] for p in peers)
+
+    assert wait_until(lambda: lists(first, second_id) and lists(second, first_id), 10, 0.25)
+    result = subprocess.run(
+        [sys.executable, "-m", "swarmd", "peers", "--url", second.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "COLUMNS": "250"},
+    )
+    assert first_id in result.stdout and "0:4" in result.stdout
+
+
+def test_a_private_swarm_keeps_out_other_keys(
+    nodes: list[NodeProcess], tmp_path: Path, tiny_chat_dir: Path
+) -> None:
+    def key_file(name: str, secret: str) -> str:
+        path = tmp_path / name
+        path.write_text(secret)
+        path.chmod(0o600)
+        return str(path)
+
+    ours = key_file("ours.key", "a" * 64)
+    theirs = key_file("theirs.key", "b" * 64)
+
+    def launch(name: str, *extra: str) -> NodeProcess:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        args = ["--model", str(tiny_chat_dir), "--port", "0", "--p2p-port", "0"]
+        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
+        nodes.append(node)
+        return node
+
+    first = launch("first", "--swarm-key", ours)
+    join = ["--bootstrap", first.p2p_addrs[0]]
+    friend = launch("friend", "--swarm-key", ours, *join)
+    stranger = launch("stranger", "--swarm-key", theirs, *join)
+    open_node = launch("open", *join)
+    friend_id, stranger_id, open_id = (
+        str(n.health()["peer_id"]) for n in (friend, stranger, open_node)
+    )
+
+    def peer_view(node: NodeProcess) -> dict[str, dict]:
+        return {p["peer_id"]: p for p in node.get_json("/api/peers")["peers"]}  # type: ignore[index]
+
+    def settled() -> bool:
+        report = first.get_json("/api/peers")
+        banned = {b["peer_id"] for b in report["bans"]}  # type: ignore[index]
+        view = {p["peer_id"]: p for p in report["peers"]}  # type: ignore[index]
+        return bool(view.get(friend_id, {}).get("serves")) and {stranger_id, open_id} <= banned
+
+    names = {friend_id: "friend", stranger_id: "stranger", open_id: "open"}
+    assert wait_until(settled, 15, 0.25), json.dumps(
+        {names.get(k, k): v for k, v in peer_view(first).items()}
+    )
+    # Outsiders may redial, but they are cut off again and their records never count.
+    view = peer_view(first)
+    assert not view.get(stranger_id, {}).get("serves") and not view.get(open_id, {}).get("serves")
+    found = holders(first)
+    assert friend_id in found
+    assert stranger_id not in found and open_id not in found
+    assert str(first.health()["peer_id"]) not in holders(stranger)
+    assert "DIAG: peer refused" in first.log_text()

@@ -1,0 +1,200 @@
+"""The peer table: EWMA measurements, immutable snapshots, bans that grow and decay."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from swarmd.net.peers import BanPolicy, PeerRow, PeerTable
+
+T0 = 1_700_000_000.0
+
+
+def test_first_sample_is_taken_then_ewma() -> None:
+    table = PeerTable(rtt_alpha=0.5)
+    table.record_rtt("b", 10.0, T0)
+    assert table.get("b").rtt_ms == 10.0
+    table.record_rtt("b", 20.0, T0 + 1)
+    assert table.get("b").rtt_ms == pytest.approx(15.0)
+    table.record_rtt("b", 15.0, T0 + 2)
+    assert table.get("b").rtt_ms == pytest.approx(15.0)
+
+
+def test_default_rtt_alpha_smooths_an_outlier() -> None:
+    table = PeerTable()
+    for i in range(20):
+        table.record_rtt("p", 2.0, T0 + i)
+    table.record_rtt("p", 1002.0, T0 + 20)
+    assert table.get("p").rtt_ms == pytest.approx(2.0 + 1000.0 * 0.125)
+
+
+def test_throughput_ewma_in_bytes_per_second() -> None:
+    table = PeerTable(throughput_alpha=0.25)
+    table.record_transfer("p", 1_000_000, 0.5, T0)
+    assert table.get("p").throughput_bps == pytest.approx(2_000_000.0)
+    table.record_transfer("p", 1_000_000, 1.0, T0 + 1)
+    assert table.get("p").throughput_bps == pytest.approx(1_750_000.0)
+    table.record_transfer("p", 10, 0.0, T0 + 2)  # unmeasurably fast: no rate learned
+    assert table.get("p").throughput_bps == pytest.approx(1_750_000.0)
+    assert table.get("p").last_seen == T0 + 2
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
+def test_bad_samples_are_refused(bad: float) -> None:
+    table = PeerTable()
+    with pytest.raises(ValueError):
+        table.record_rtt("p", bad, T0)
+    with pytest.raises(ValueError):
+        table.record_transfer("p", 100, bad, T0)
+    assert "p" not in table
+
+
+def test_non_numbers_are_refused() -> None:
+    table = PeerTable()
+    with pytest.raises(TypeError):
+        table.record_rtt("p", True, T0)
+    with pytest.raises(TypeError):
+        table.record_rtt("p", "3", T0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5])
+def test_bad_alpha_is_refused(alpha: float) -> None:
+    with pytest.raises(ValueError):
+        PeerTable(rtt_alpha=alpha)
+
+
+def test_seen_never_goes_backwards() -> None:
+    table = PeerTable()
+    table.seen("p", T0 + 10)
+    table.seen("p", T0 + 5)
+    assert table.get("p").last_seen == T0 + 10
+    table.record_rtt("p", 1.0, T0 + 20)
+    assert table.get("p").last_seen == T0 + 20
+
+
+def test_snapshot_rows_are_immutable_sorted_and_detached() -> None:
+    table = PeerTable()
+    table.set_addrs("c", ["/ip4/10.0.0.3/tcp/1"])
+    table.record_rtt("a", 3.0, T0)
+    table.record_failure("b")
+    table.record_failure("b")
+    rows = table.snapshot()
+    assert [r.peer_id for r in rows] == ["a", "b", "c"]
+    assert rows[1] == PeerRow("b", (), None, None, None, 2)
+    assert rows[2].addrs == ("/ip4/10.0.0.3/tcp/1",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rows[0].rtt_ms = 1.0  # type: ignore[misc]
+    table.record_rtt("a", 100.0, T0 + 1)
+    assert rows[0].rtt_ms == 3.0  # the old snapshot does not change
+    assert table.get("missing") is None
+    table.forget("a")
+    assert [r.peer_id for r in table.snapshot()] == ["b", "c"]
+
+
+def test_table_is_bounded_and_forgets_the_stalest_peer() -> None:
+    table = PeerTable(max_peers=3)
+    table.seen("old", T0)
+    table.seen("mid", T0 + 1)
+    table.seen("new", T0 + 2)
+    table.seen("newest", T0 + 3)
+    assert len(table) == 3
+    assert "old" not in table
+    assert {r.peer_id for r in table.snapshot()} == {"mid", "new", "newest"}
+
+
+# --- bans -------------------------------------------------------------------------------
+
+
+def test_ban_lengths_double_and_are_capped() -> None:
+    table = PeerTable(ban_policy=BanPolicy(base_s=30.0, max_s=3600.0, decay_s=10_000.0))
+    now = T0
+    lengths = []
+    for _ in range(10):
+        until = table.ban("p", "bad frame", now)
+        lengths.append(until - now)
+        assert table.is_banned("p", now)
+        assert table.is_banned("p", until - 0.001)
+        assert not table.is_banned("p", until)
+        now = until + 1.0  # the next offence comes right after the ban ends
+    assert lengths == [30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0, 3600.0, 3600.0]
+
+
+def test_ban_with_huge_offence_count_does_not_overflow() -> None:
+    table = PeerTable(ban_policy=BanPolicy(base_s=1.0, max_s=5.0, decay_s=1e9))
+    now = T0
+    for _ in range(2000):
+        now = table.ban("p", "x", now)
+    assert table.offences("p", now) == 2000
+    assert table.ban("p", "x", now) == now + 5.0
+
+
+def test_offence_during_a_ban_does_not_escalate() -> None:
+    table = PeerTable()
+    until = table.ban("p", "timeout", T0)
+    assert table.ban("p", "connection lost", T0 + 1) == until
+    assert table.offences("p", T0 + 1) == 1
+    assert table.bans(T0 + 1)[0].reason == "timeout"
+
+
+def test_offences_decay_after_a_quiet_period() -> None:
+    table = PeerTable(ban_policy=BanPolicy(base_s=30.0, max_s=3600.0, decay_s=600.0))
+    now = T0
+    for _ in range(3):  # 30, 60, 120 s
+        now = table.ban("p", "bad", now)
+    assert table.offences("p", now) == 3
+    assert table.offences("p", now + 599.0) == 3
+    assert table.offences("p", now + 600.0) == 2
+    assert table.offences("p", now + 1200.0) == 1
+    assert table.offences("p", now + 1e6) == 0
+    # After one decay step the next ban is the 3rd offence again (120 s), not the 4th.
+    assert table.ban("p", "bad", now + 600.0) == now + 600.0 + 120.0
+    # After full decay it starts over at the base.
+    later = now + 600.0 + 120.0 + 1e6
+    assert table.ban("p", "bad", later) == later + 30.0
+
+
+def test_bans_lists_active_bans_with_reason_and_remaining() -> None:
+    table = PeerTable()
+    table.ban("z", "garbage frame", T0)
+    table.ban("a", "step timeout", T0 + 10)
+    rows = table.bans(T0 + 20)
+    assert [(r.peer_id, r.reason, r.remaining_s, r.offences) for r in rows] == [
+        ("a", "step timeout", 20.0, 1),
+        ("z", "garbage frame", 10.0, 1),
+    ]
+    assert [r.peer_id for r in table.bans(T0 + 35)] == ["a"]
+    assert table.bans(T0 + 40) == ()
+    assert not table.is_banned("never", T0)
+
+
+def test_unban_lifts_the_ban_but_keeps_the_count() -> None:
+    table = PeerTable()
+    table.ban("p", "bad", T0)
+    table.unban("p", T0 + 1)
+    assert not table.is_banned("p", T0 + 1)
+    assert table.offences("p", T0 + 1) == 1
+    assert table.ban("p", "bad", T0 + 2) == T0 + 2 + 60.0
+    table.unban("unknown", T0)
+
+
+def test_bans_survive_forgetting_the_peer() -> None:
+    table = PeerTable()
+    table.seen("a", T0)
+    table.ban("a", "bad", T0)
+    table.forget("a")
+    assert "a" not in table
+    assert table.is_banned("a", T0 + 1)
+
+
+def test_ban_entries_are_bounded_and_ended_ones_go_first() -> None:
+    table = PeerTable(max_bans=2)
+    table.ban("a", "bad", T0)  # ends at T0 + 30
+    table.ban("b", "bad", T0 + 100)
+    assert table.offences("a", T0 + 110) == 1  # ended but not yet forgiven
+    table.ban("c", "bad", T0 + 110)  # full: "a" (ended first) makes room
+    assert table.offences("a", T0 + 110) == 0
+    assert [r.peer_id for r in table.bans(T0 + 110)] == ["b", "c"]
+    table.ban("d", "bad", T0 + 120)  # full of active bans: the one ending first goes
+    assert [r.peer_id for r in table.bans(T0 + 120)] == ["c", "d"]
