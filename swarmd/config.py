@@ -44,6 +44,7 @@ class Config:
     port: int = 8800  # API port
     model: str = "smollm2-135m-instruct"  # model id or path (HF dir with safetensors, or .gguf)
     data_dir: Path = field(default_factory=_default_data_dir)  # identity key, node state
+    # (load_config defaults it to <user data dir>/node-<port>: one identity per node)
     cache_dir: Path = field(default_factory=_default_cache_dir)  # converted models, per user
     dtype: str = "float32"  # one of DTYPES
     torch_threads: int = 0  # 0 = torch's default (all cores)
@@ -129,6 +130,10 @@ def load_config(
             continue
         _check_range(name, value, source)
         values[name] = value
+    if "data_dir" not in values:
+        # One identity per node: two nodes on one machine (ports 8800 and 8801) must not
+        # share a key, or they would be one peer id.
+        values["data_dir"] = _default_data_dir() / f"node-{values.get('port', Config.port)}"
     return Config(**values)
 
 

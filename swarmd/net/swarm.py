@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
 PING_TIMEOUT_S = 5.0
+PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class SwarmPresence:
                 if self.settings.swarm_key is not None:
                     self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
                     nursery.start_soon(self._gate.watch)
+                nursery.start_soon(self._ping_forever)
                 self._host, self._discovery = host, discovery
                 self.addrs = host.addrs
                 try:
@@ -140,11 +142,16 @@ class SwarmPresence:
     async def _renew_forever(self) -> None:
         while True:
             await trio.sleep(self.settings.republish_interval_s)
-            await self._refresh_peers()
             try:
                 await self._announce()
             except SwarmError as exc:  # a DHT hiccup must not end the node
                 log.warning("announcement failed, retrying next period: %s", exc)
+
+    async def _ping_forever(self) -> None:
+        while True:
+            if self._host is not None:
+                await self._refresh_peers()
+            await trio.sleep(PING_INTERVAL_S)
 
     async def _refresh_peers(self) -> None:
         host = self.host

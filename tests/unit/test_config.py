@@ -43,8 +43,20 @@ def test_defaults() -> None:
     assert config.log_level == "INFO"
 
 
+def loaded_defaults() -> Config:
+    """What load_config gives with nothing set: Config() with the per-port data dir."""
+    root = Path(platformdirs.user_data_dir("swarmd"))
+    return dataclasses.replace(Config(), data_dir=root / "node-8800")
+
+
 def test_no_layers_gives_defaults() -> None:
-    assert load_config({}, None, {}) == Config()
+    assert load_config({}, None, {}) == loaded_defaults()
+
+
+def test_each_port_gets_its_own_data_dir() -> None:
+    root = Path(platformdirs.user_data_dir("swarmd"))
+    assert load_config({"port": 8801}, None, {}).data_dir == root / "node-8801"
+    assert load_config({"data_dir": "/x"}, None, {}).data_dir == Path("/x")
 
 
 def test_dir_defaults_are_computed_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,12 +122,12 @@ def test_config_file_argument_beats_env(tmp_path: Path) -> None:
 
 
 def test_empty_config_env_means_no_file() -> None:
-    assert load_config({}, None, {"SWARMD_CONFIG": ""}) == Config()
+    assert load_config({}, None, {"SWARMD_CONFIG": ""}) == loaded_defaults()
 
 
 def test_unrelated_env_is_ignored() -> None:
     env = {"PORT": "1", "SWARMD_UNKNOWN": "x", "HOME": "/nowhere"}
-    assert load_config({}, None, env) == Config()
+    assert load_config({}, None, env) == loaded_defaults()
 
 
 # --- type conversion -------------------------------------------------------------------
@@ -336,7 +348,7 @@ def example_settings() -> dict[str, str]:
 
 
 def test_example_loads_as_defaults() -> None:
-    assert load_config({}, EXAMPLE, {}) == Config()
+    assert load_config({}, EXAMPLE, {}) == loaded_defaults()
 
 
 def test_example_names_every_field() -> None:
@@ -348,7 +360,7 @@ def test_example_values_are_the_defaults(tmp_path: Path) -> None:
     settings = example_settings()
     del settings["data_dir"], settings["cache_dir"]
     path = write(tmp_path, "".join(f"{key} = {value}\n" for key, value in settings.items()))
-    assert load_config({}, path, {}) == Config()
+    assert load_config({}, path, {}) == loaded_defaults()
 
 
 def test_bootstrap_from_each_layer(tmp_path: Path) -> None:
