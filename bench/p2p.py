@@ -14,14 +14,15 @@ One run measures, on 127.0.0.1:
 
 Round trips: a warm-up, then `--round-trips` timed ones, one at a time, each timed on the
 client with perf_counter from the write to the whole echo read. Lookups: `--lookups`
-timed, back to back; the first (cold: the fresh node dials the holders) is shown apart.
+timed, back to back; the first (cold: no record cached yet) is shown apart.
 Children are told to stop by closing their stdin (they also stop if this process dies);
 readiness is a line on their stdout, awaited with a deadline. The last line is
 
     RESULT libp2p_rtt_ms=<ms> tcp_rtt_ms=<ms> ratio=<r> lookup5_ms=<ms> lookup20_ms=<ms>
 
 (medians; ratio = libp2p / tcp). Other processes on the machine skew every figure: the
-load average at the start is printed.
+load average at the start is printed. libp2p's warnings in this process are counted by
+phase and kind and listed in the report instead of being printed one by one.
 
 Usage: .venv/bin/python bench/p2p.py [--round-trips N] [--warmup N] [--lookups N]
 """
@@ -33,11 +34,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import selectors
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -65,6 +68,43 @@ SWARM_PHASE_TIMEOUT_S = 90.0  # build, bootstrap, announce, look up, one swarm
 LOOKUP_TIMEOUT_S = 30.0  # one `holders` (it gives up by itself after about 25 s)
 SWARM_SIZES = (5, 20)
 READY_PREFIX = "READY "
+_PEER_ID_RE = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]+")
+
+
+class LogCounter(logging.Handler):
+    """Counts libp2p's log records of WARNING and above by phase and kind; the report
+    lists the counts. Without it each would reach stderr (libp2p's logger has no handler
+    and does not propagate, so logging's last resort prints it), many lines apiece."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.phase = "start"
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        first_line = _PEER_ID_RE.sub("<peer>", message.split("\n", 1)[0])
+        kind = " ".join(first_line.split()[:5])
+        self.counts[(self.phase, f"{record.levelname} {kind}")] += 1
+
+    def summary(self) -> list[str]:
+        return [f"  {phase}: {n} x {kind}" for (phase, kind), n in sorted(self.counts.items())]
+
+
+LOG_COUNTS = LogCounter()
+
+
+class BenchError(RuntimeError):
+    """A check of this benchmark failed (a child, an echo, a lookup's holders)."""
+
+
+def bench_errors(exc: BaseException) -> list[BenchError]:
+    """The BenchErrors in `exc`, looking inside (nested) exception groups."""
+    if isinstance(exc, BenchError):
+        return [exc]
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in bench_errors(inner)]
+    return []
 
 
 # --- child processes: the echo servers ---------------------------------------------------
@@ -163,12 +203,12 @@ def read_ready_line(proc: subprocess.Popen[str], kind: str) -> str:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"the {kind} echo child was not ready in {READY_TIMEOUT_S} s")
+                raise BenchError(f"the {kind} echo child was not ready in {READY_TIMEOUT_S} s")
             if not selector.select(left):
                 continue
             line = proc.stdout.readline()  # the child writes whole lines, flushed
             if not line:
-                raise RuntimeError(
+                raise BenchError(
                     f"the {kind} echo child exited before it was ready (rc {proc.wait()})"
                 )
             if line.startswith(READY_PREFIX):
@@ -209,7 +249,7 @@ def libp2p_round_trips(child_addr: str, warmup: int, count: int) -> list[float]:
                         reply = await stream.recv(RECV_TIMEOUT_S)
                         elapsed = time.perf_counter() - t0
                         if reply.get("d") != payload:
-                            raise RuntimeError("the libp2p echo differs from the message sent")
+                            raise BenchError("the libp2p echo differs from the message sent")
                         if i >= warmup:
                             times.append(elapsed)
                     return times
@@ -238,7 +278,7 @@ def tcp_round_trips(child_addr: str, warmup: int, count: int) -> list[float]:
                     body = await reader.readexactly(int.from_bytes(header, "big"))
                     elapsed = time.perf_counter() - t0
                     if body != payload:
-                        raise RuntimeError("the TCP echo differs from the message sent")
+                        raise BenchError("the TCP echo differs from the message sent")
                     if i >= warmup:
                         times.append(elapsed)
                 return times
@@ -263,7 +303,8 @@ class SwarmNode:
 @dataclass
 class LookupResult:
     nodes: int
-    setup_s: float  # start hosts, bootstrap, announce
+    bootstrap_s: float  # start the hosts, each but the first bootstraps from the first
+    announce_s: float  # every node announces its record, one after another
     join_s: float  # the fresh node's bootstrap
     lookups_s: list[float]
 
@@ -299,6 +340,7 @@ async def start_node(stack: AsyncExitStack) -> SwarmNode:
 
 
 async def measure_lookups(nodes: int, lookups: int) -> LookupResult:
+    LOG_COUNTS.phase = f"dht{nodes} setup"
     with trio.fail_after(SWARM_PHASE_TIMEOUT_S):
         async with AsyncExitStack() as stack:
             t0 = time.perf_counter()
@@ -306,14 +348,16 @@ async def measure_lookups(nodes: int, lookups: int) -> LookupResult:
             first_addrs = swarm[0].host.addrs
             for node in swarm[1:]:
                 await node.disc.bootstrap(first_addrs)
+            bootstrap_s = time.perf_counter() - t0
+            # One after another: 20 announces at once are no faster on 2 cores, and their
+            # crossing dials make libp2p log ~80 "failed to open stream" warnings.
+            t0 = time.perf_counter()
             expected: dict[str, tuple[int, int]] = {}
-            async with trio.open_nursery() as nursery:
-                for index, node in enumerate(swarm):
-                    start, end = layer_range(index, nodes)
-                    expected[node.identity.peer_id] = (start, end)
-                    record = bench_record(node, start, end)
-                    nursery.start_soon(node.disc.announce, node.identity, record)
-            setup_s = time.perf_counter() - t0
+            for index, node in enumerate(swarm):
+                start, end = layer_range(index, nodes)
+                expected[node.identity.peer_id] = (start, end)
+                await node.disc.announce(node.identity, bench_record(node, start, end))
+            announce_s = time.perf_counter() - t0
 
             # The fresh node knows only the last node of the swarm.
             fresh = await start_node(stack)
@@ -322,22 +366,26 @@ async def measure_lookups(nodes: int, lookups: int) -> LookupResult:
             join_s = time.perf_counter() - t0
 
             times: list[float] = []
+            LOG_COUNTS.phase = f"dht{nodes} lookups"
             for attempt in range(lookups):
                 t0 = time.perf_counter()
                 with trio.fail_after(LOOKUP_TIMEOUT_S):
                     found = await fresh.disc.holders(MODEL_ID)
                 times.append(time.perf_counter() - t0)
                 got = {r.peer_id: (r.layer_start, r.layer_end) for r in found}
-                if got != expected or len(found) != nodes:
+                if len(found) != nodes or got != expected:
                     missing = sorted(p[-8:] for p in expected.keys() - got.keys())
                     extra = sorted(p[-8:] for p in got.keys() - expected.keys())
-                    raise RuntimeError(
-                        f"lookup {attempt + 1} in the {nodes}-node swarm found "
-                        f"{len(found)} holders, {nodes} announced "
-                        f"(missing {missing}, unexpected {extra}, "
-                        f"wrong ranges: {got != expected and not missing and not extra})"
+                    wrong = sorted(
+                        p[-8:] for p in expected.keys() & got.keys() if got[p] != expected[p]
                     )
-            return LookupResult(nodes, setup_s, join_s, times)
+                    raise BenchError(
+                        f"lookup {attempt + 1} in the {nodes}-node swarm found {len(found)} "
+                        f"holders, {nodes} announced (missing {missing}, unexpected {extra}, "
+                        f"wrong layer ranges {wrong})"
+                    )
+            LOG_COUNTS.phase = f"dht{nodes} teardown"
+            return LookupResult(nodes, bootstrap_s, announce_s, join_s, times)
 
 
 def dht_lookups(lookups: int) -> list[LookupResult]:
@@ -361,7 +409,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def rtt_row(name: str, times: list[float]) -> str:
     return (
-        f"{name:<34} {ms(statistics.median(times)):>8.3f} {ms(percentile(times, 0.1)):>8.3f} "
+        f"{name:<36}{ms(statistics.median(times)):>8.3f} {ms(percentile(times, 0.1)):>8.3f} "
         f"{ms(percentile(times, 0.9)):>8.3f} {ms(min(times)):>8.3f} {ms(max(times)):>8.3f}"
     )
 
@@ -380,7 +428,20 @@ def main() -> int:
         serve_tcp()
         return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("libp2p").addHandler(LOG_COUNTS)
+    try:
+        run_bench(args)
+    except BaseException as exc:
+        failures = bench_errors(exc)
+        if not failures:
+            raise
+        for failure in failures:
+            print(f"FAILED: {failure}", file=sys.stderr)
+        return 1
+    return 0
 
+
+def run_bench(args: argparse.Namespace) -> None:
     load = os.getloadavg()
     print(
         f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
@@ -388,8 +449,10 @@ def main() -> int:
         flush=True,
     )
     started = time.perf_counter()
+    LOG_COUNTS.phase = "libp2p rtt"
     with echo_child("libp2p") as addr:
         libp2p_times = libp2p_round_trips(addr, args.warmup, args.round_trips)
+    LOG_COUNTS.phase = "tcp rtt"
     with echo_child("tcp") as addr:
         tcp_times = tcp_round_trips(addr, args.warmup, args.round_trips)
     lookup_results = dht_lookups(args.lookups)
@@ -398,30 +461,35 @@ def main() -> int:
     tcp_ms = ms(statistics.median(tcp_times))
     print()
     print(
-        f"2 KB round trip, {args.round_trips} after {args.warmup} warm-up (ms)"
-        f"{'':<2} median      p10      p90      min      max"
+        f"{f'2 KB round trip, {args.round_trips} timed (ms)':<36}"
+        f"{'median':>8} {'p10':>8} {'p90':>8} {'min':>8} {'max':>8}"
     )
-    print(rtt_row("libp2p stream (Noise+yamux, 2 proc)", libp2p_times))
-    print(rtt_row("asyncio TCP (2 processes)", tcp_times))
+    print(rtt_row("libp2p stream, Noise+yamux, 2 proc", libp2p_times))
+    print(rtt_row("asyncio TCP, 2 processes", tcp_times))
     print(f"ratio libp2p / TCP (medians): {libp2p_ms / tcp_ms:.1f}")
     print()
+    print(f"DHT holders({MODEL_ID!r}) by a fresh node, {args.lookups} lookups back to back")
     print(
-        f"DHT holders({MODEL_ID!r}), {args.lookups} lookups by a fresh node (ms)"
-        "\n  nodes  setup_s  join_ms  cold_ms  median_ms  min_ms  max_ms"
+        f"  {'nodes':>5} {'bootstrap_s':>11} {'announce_s':>10} {'join_ms':>7} "
+        f"{'cold_ms':>7} {'median_ms':>9} {'min_ms':>6} {'max_ms':>6}"
     )
     for r in lookup_results:
         print(
-            f"  {r.nodes:>5}  {r.setup_s:>7.1f}  {ms(r.join_s):>7.0f}  {ms(r.lookups_s[0]):>7.0f}"
-            f"  {ms(statistics.median(r.lookups_s)):>9.0f}  {ms(min(r.lookups_s)):>6.0f}"
-            f"  {ms(max(r.lookups_s)):>6.0f}"
+            f"  {r.nodes:>5} {r.bootstrap_s:>11.1f} {r.announce_s:>10.1f} {ms(r.join_s):>7.0f} "
+            f"{ms(r.lookups_s[0]):>7.0f} {ms(statistics.median(r.lookups_s)):>9.0f} "
+            f"{ms(min(r.lookups_s)):>6.0f} {ms(max(r.lookups_s)):>6.0f}"
         )
-    print(f"all holders found in every lookup; total run {time.perf_counter() - started:.0f} s")
+    print("  (cold = the first lookup; every lookup found exactly the announced holders)")
+    warnings = LOG_COUNTS.summary()
+    print(f"libp2p log records (WARNING+) in this process: {sum(LOG_COUNTS.counts.values())}")
+    for line in warnings:
+        print(line)
+    print(f"total run {time.perf_counter() - started:.0f} s")
     by_size = {r.nodes: ms(statistics.median(r.lookups_s)) for r in lookup_results}
     print(
         f"RESULT libp2p_rtt_ms={libp2p_ms:.3f} tcp_rtt_ms={tcp_ms:.3f} "
         f"ratio={libp2p_ms / tcp_ms:.1f} lookup5_ms={by_size[5]:.0f} lookup20_ms={by_size[20]:.0f}"
     )
-    return 0
 
 
 if __name__ == "__main__":

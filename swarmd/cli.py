@@ -21,15 +21,30 @@ app = typer.Typer(
 )
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=LOG_FORMAT,
         stream=sys.stderr,
     )
     # transformers and friends are chatty at INFO; their warnings still show.
     for name in ("transformers", "accelerate", "urllib3", "filelock"):
         logging.getLogger(name).setLevel(max(logging.WARNING, getattr(logging, level)))
+
+
+def _adopt_libp2p_logger(level: str) -> None:
+    """Call after importing libp2p: its import clears its logger's handlers."""
+    # libp2p sets propagate=False on its logger and gives it no handler, so its lines
+    # bypass our format; its DHT warnings (a peer that did not answer) are routine.
+    # Some of its modules set their own levels, so the filter sits on the handler.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setLevel(logging.WARNING if level == "DEBUG" else logging.ERROR)
+    p2p = logging.getLogger("libp2p")
+    p2p.handlers = [handler]
 
 
 @app.command()
@@ -81,6 +96,8 @@ def run(
         cfg = load_config(flags, config, os.environ)
         _setup_logging(cfg.log_level)
         from swarmd.node import serve  # torch and transformers: only once the config is good
+
+        _adopt_libp2p_logger(cfg.log_level)
 
         asyncio.run(serve(cfg))
     except SwarmError as exc:

@@ -14,6 +14,7 @@ from swarmd.errors import (
     InternalError,
     ModelError,
     ModelNotFoundError,
+    PeerError,
     RequestError,
     SwarmError,
     UnavailableError,
@@ -41,6 +42,9 @@ def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]
     if isinstance(exc, UnavailableError):
         body = error_body(str(exc), "service_unavailable", None, type(exc).__name__)
         return 503, body, {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, PeerError):  # a peer or the link to it failed: worth a retry
+        body = error_body(str(exc), "service_unavailable", None, type(exc).__name__)
+        return 503, body, {"Retry-After": "5"}
     if isinstance(exc, ModelError | InternalError | ClientDisconnectedError | SwarmError):
         return 500, error_body(str(exc), "server_error", None, type(exc).__name__), {}
     return 500, error_body("Internal server error", "server_error", None, "internal_error"), {}

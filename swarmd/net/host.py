@@ -226,12 +226,13 @@ async def open_host(
             f"libp2p derives peer id {libp2p_host.get_id()} from this node's key, "
             f"expected {identity.peer_id}"
         )
-    stop = trio.Event()
+    run = _Libp2pRun(libp2p_host, listen_addr)
     body_error: Exception | None = None
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(run.run)
         try:
-            listening = await nursery.start(_run_libp2p_host, libp2p_host, listen_addr, stop)
-            if not listening:
+            await run.started.wait()
+            if not run.listening:
                 raise ConfigError(f"cannot listen on {listen_addr} (see the libp2p log)")
             host = P2PHost(libp2p_host, identity, config)
             log.info("libp2p host %s listening on %s", identity.short_id, ", ".join(host.addrs))
@@ -240,31 +241,40 @@ async def open_host(
             # Carried past the nursery, so the caller gets it as it is, not in a group.
             body_error = exc
         finally:
-            stop.set()
+            run.stop.set()
     if body_error is not None:
         raise body_error
 
 
-async def _run_libp2p_host(
-    libp2p_host: IHost,
-    listen_addr: Multiaddr,
-    stop: trio.Event,
-    task_status: trio.TaskStatus[bool] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run libp2p until `stop`, then close it gracefully, shielded from the caller.
+class _Libp2pRun:
+    """libp2p's `run`, shielded from the caller's cancellation, until `stop`.
 
-    libp2p's tasks are not safe to cancel at any point: a cancelled block would cancel
+    libp2p's tasks are not safe to cancel at any point: cancelling the block would cancel
     them mid-cleanup and leak sockets (a connection marked closed whose socket never
-    is). So they run shielded, and `stop` closes every connection, then the host, with
-    nothing cancelled; only if that hangs past the deadline is libp2p cancelled.
+    is). So they run shielded; `stop` closes every connection, then the host, with
+    nothing cancelled; only if that hangs past a deadline is libp2p cancelled.
+    (Not `nursery.start`: in a cancelled scope it would wait for the shielded task.)
     """
-    with trio.CancelScope(shield=True) as scope:
-        async with libp2p_host.run([listen_addr]):
-            await libp2p_host.get_network().auto_connector.stop()  # swarmd picks its peers
-            task_status.started(bool(libp2p_host.get_transport_addrs()))
-            await stop.wait()
-            scope.deadline = trio.current_time() + 2 * _CLOSE_TIMEOUT_S
-            await _close_libp2p_host(libp2p_host)
+
+    def __init__(self, libp2p_host: IHost, listen_addr: Multiaddr) -> None:
+        self.libp2p_host = libp2p_host
+        self.listen_addr = listen_addr
+        self.started = trio.Event()
+        self.stop = trio.Event()
+        self.listening = False
+
+    async def run(self) -> None:
+        with trio.CancelScope(shield=True) as scope:
+            try:
+                async with self.libp2p_host.run([self.listen_addr]):
+                    await self.libp2p_host.get_network().auto_connector.stop()  # swarmd picks
+                    self.listening = bool(self.libp2p_host.get_transport_addrs())
+                    self.started.set()
+                    await self.stop.wait()
+                    scope.deadline = trio.current_time() + 2 * _CLOSE_TIMEOUT_S
+                    await _close_libp2p_host(self.libp2p_host)
+            finally:
+                self.started.set()
 
 
 async def _close_libp2p_host(libp2p_host: IHost) -> None:

@@ -39,6 +39,11 @@ from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost
 
 __all__ = [
+    "ERROR_BAD_REQUEST",
+    "ERROR_HANDLER_TIMEOUT",
+    "ERROR_INTERNAL",
+    "ERROR_OVERLOADED",
+    "ERROR_UNKNOWN_METHOD",
     "RPC_PROTOCOL",
     "RpcHandler",
     "RpcService",

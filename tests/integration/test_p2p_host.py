@@ -6,6 +6,7 @@ with `async with` and so closed, even when the test fails.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from swarmd.errors import (
     RecvTimeoutError,
     RemoteError,
     RpcTimeoutError,
+    SendTimeoutError,
     StreamClosedError,
 )
 from swarmd.net.frames import FRAME_HEADER_BYTES, FrameStream, encode_frame
@@ -193,31 +195,39 @@ def test_rpc_timeout_names_peer_and_method() -> None:
 
 
 def test_handler_timeout_and_concurrency_cap_come_back_as_remote_errors() -> None:
-    release = trio.Event()
+    entered, release = trio.Event(), trio.Event()
 
-    async def slow(peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        await release.wait()
+    async def hold(peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        entered.set()
+        with trio.CancelScope(shield=True):  # deaf to its own timeout: keeps the only slot
+            await release.wait()
         return {}
+
+    async def stall(peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
 
     async def test() -> None:
         async with two_hosts() as p:
-            p.rpc_b.register("slow", slow, max_concurrency=1, timeout_s=0.2)
-            results: list[str] = []
+            p.rpc_b.register("hold", hold, max_concurrency=1, timeout_s=0.2)
+            p.rpc_b.register("stall", stall, timeout_s=0.1)
 
-            async def one() -> None:
-                try:
-                    await call(p.a, p.b.peer_id, "slow", {}, 5.0)
-                    results.append("ok")
-                except RemoteError as exc:
-                    results.append(exc.remote_type)
+            with pytest.raises(RemoteError) as info:
+                await call(p.a, p.b.peer_id, "stall", {}, 5.0)
+            assert info.value.remote_type == "HandlerTimeoutError"
+
+            async def first() -> None:
+                # it ran past its limit too, unheard: a result or a HandlerTimeoutError
+                with contextlib.suppress(RemoteError):
+                    await call(p.a, p.b.peer_id, "hold", {}, 5.0)
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(one)
-                nursery.start_soon(one)
-            # one held the only slot past its limit; the other never got the slot
-            assert sorted(results) == ["HandlerTimeoutError", "OverloadedError"]
-            release.set()
-            assert await call(p.a, p.b.peer_id, "slow", {}, 5.0) == {}
+                nursery.start_soon(first)
+                await entered.wait()
+                with pytest.raises(RemoteError) as info:
+                    await call(p.a, p.b.peer_id, "hold", {}, 5.0)
+                assert info.value.remote_type == "OverloadedError"
+                release.set()
 
     run(test)
 
@@ -262,6 +272,34 @@ def test_a_tiny_recv_timeout_raises_and_the_stream_is_reset() -> None:
                 assert not stream.is_usable
                 with pytest.raises(StreamClosedError):
                     await stream.send({"after": "timeout"})
+
+    run(test)
+
+
+def test_a_tiny_open_stream_timeout_raises_dial_timeout() -> None:
+    async def test() -> None:
+        async with two_hosts() as p:
+            with pytest.raises(DialTimeoutError) as info:
+                await p.a.open_stream(p.b.peer_id, RPC_PROTOCOL, timeout_s=1e-6)
+            assert info.value.peer_id == p.b.peer_id
+            assert await call_ping(p.a, p.b.peer_id) < 1.0
+
+    run(test)
+
+
+def test_a_peer_that_stops_reading_raises_send_timeout() -> None:
+    async def deaf(stream: FrameStream) -> None:
+        await trio.sleep_forever()  # never reads: yamux's window fills up
+
+    async def test() -> None:
+        async with two_hosts() as p:
+            p.b.set_handler(TEST_PROTOCOL, deaf)
+            async with await p.a.open_stream(p.b.peer_id, TEST_PROTOCOL) as stream:
+                big = {"blob": b"x" * (4 << 20)}  # far over yamux's 256 KiB window
+                with pytest.raises(SendTimeoutError) as info:
+                    await stream.send(big, timeout_s=0.3)
+                assert info.value.peer_id == p.b.peer_id
+                assert not stream.is_usable
 
     run(test)
 
