@@ -130,6 +130,12 @@ def load_config(
             continue
         _check_range(name, value, source)
         values[name] = value
+    ttl = values.get("record_ttl_s", Config.record_ttl_s)
+    if values.get("republish_interval_s", Config.republish_interval_s) >= ttl:
+        raise ConfigError(
+            f"republish_interval_s must be shorter than record_ttl_s ({ttl:g} s), or this "
+            "node's records expire between renewals"
+        )
     if "data_dir" not in values:
         # One identity per node: two nodes on one machine (ports 8800 and 8801) must not
         # share a key, or they would be one peer id.

@@ -36,6 +36,7 @@ from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 log = logging.getLogger(__name__)
 
 SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
+HOLDERS_CACHE_S = 2.0  # how long a DHT lookup answers /v1/models and /api/peers
 
 
 class Node:
@@ -57,6 +58,7 @@ class Node:
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
+        self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
         self._runner: web.AppRunner | None = None
 
     @classmethod
@@ -96,6 +98,8 @@ class Node:
             ) from exc
         host, port = self._runner.addresses[0][:2]
         self.api_url = f"http://{host}:{port}"
+        # The first record went out before the API listened: renew it with the API address.
+        await self.bridge.run(self.swarm.announce_now)
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -108,13 +112,30 @@ class Node:
         await self.worker.stop()
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
-        """Every live holder of a model, this node included, from the DHT."""
-        return await self.bridge.run(self.swarm.holders, model_id)
+        """Every live holder of a model, this node included, from the DHT.
 
-    async def peer_snapshot(self) -> tuple[list[str], tuple[PeerRow, ...]]:
-        if not self.bridge.running:
-            return [], ()
-        return await self.bridge.run(self.swarm.snapshot)
+        Cached for HOLDERS_CACHE_S: every /v1/models and /api/peers request would
+        otherwise walk the DHT.
+        """
+        cached = self._holders_cache.get(model_id)
+        if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
+            return cached[1]
+        records = await self.bridge.run(self.swarm.holders, model_id)
+        self._holders_cache[model_id] = (time.monotonic(), records)
+        return records
+
+    def swarm_state(self) -> str:
+        """ "ready", or "stopped: <why>" when the swarm layer has failed."""
+        failure = self.swarm.failure
+        if failure is not None:
+            return f"stopped: {failure}"
+        return "ready" if self.bridge.running else "stopped"
+
+    async def peer_snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
+        try:
+            return await self.bridge.run(self.swarm.snapshot)
+        except SwarmError:  # the bridge stopped (shutdown, or a failed swarm layer)
+            return [], (), {}
 
     def bans(self, now: float) -> tuple[BanRow, ...]:
         return self.swarm.peers.bans(now)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HOLDERS_TIMEOUT_S = 5.0  # a DHT lookup made for /v1/models or /api/peers
+HOLDERS_TIMEOUT_S = 30.0  # above discovery's own worst case (lookup + rpc + record)
 
 
 @web.middleware
@@ -61,8 +61,11 @@ def create_app(node: Node) -> web.Application:
 async def health(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
     model = node.model
+    swarm_state = node.swarm_state()
     body: dict[str, Any] = {
-        "status": "ok",
+        # Degraded: this node still answers for the layers it holds, but has left the swarm.
+        "status": "ok" if swarm_state == "ready" else "degraded",
+        "swarm": swarm_state,
         "version": __version__,
         "peer_id": node.identity.peer_id,
         "short_id": node.identity.short_id,
@@ -99,7 +102,7 @@ async def peers(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
     holders = {r.peer_id: r for r in await _holders(node)}
     now = time.time()
-    connected_ids, table = await node.peer_snapshot()
+    connected_ids, table, records = await node.peer_snapshot()
     connected = set(connected_ids)
     rows = []
     known = {row.peer_id: row for row in table}
@@ -131,7 +134,8 @@ async def peers(request: web.Request) -> web.Response:
         {"peer_id": b.peer_id, "reason": b.reason, "remaining_s": round(b.remaining_s, 1)}
         for b in node.bans(now)
     ]
-    return web.json_response({"peer_id": node.identity.peer_id, "peers": rows, "bans": bans})
+    body = {"peer_id": node.identity.peer_id, "peers": rows, "bans": bans, "records": records}
+    return web.json_response(body)
 
 
 async def _holders(node: Node) -> list[NodeRecord]:

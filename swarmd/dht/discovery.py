@@ -117,13 +117,21 @@ class RecordValidator(Validator):
     equal (state, expiry) fall back to the bytes so every node picks the same one.
     """
 
-    def __init__(self, clock: Clock = time.time, stats: RecordStats | None = None) -> None:
+    def __init__(
+        self,
+        clock: Clock = time.time,
+        stats: RecordStats | None = None,
+        admits: Callable[[str], bool] | None = None,
+    ) -> None:
         self._clock = clock
         self.stats = stats if stats is not None else RecordStats()
+        self._admits = admits  # owners whose records may be stored (not banned)
 
     def validate(self, key: str, value: bytes) -> None:
         try:
-            decode_record_for_key(key, value, self._clock())
+            record = decode_record_for_key(key, value, self._clock())
+            if self._admits is not None and not self._admits(record.peer_id):
+                raise WrongOwnerError(f"peer {record.peer_id[-8:]} is refused by this node")
         except RecordError as exc:
             self.stats.reject(exc)
             log.debug("refused DHT record at %s: %s", key, exc)
@@ -206,14 +214,23 @@ class Discovery:
 
         Connects to each one (in order), adds it to the routing table, then looks this
         node up through them to fill the table. Returns their peer ids. An address that
-        is malformed, is this node, or cannot be reached raises DialError (or
-        DialTimeoutError) naming it; peers connected before it stay connected.
+        is malformed, is this node, or cannot be reached is logged and skipped; only when
+        none works is the first DialError (or DialTimeoutError, naming it) raised.
         """
         peer_ids: list[str] = []
+        failures: list[PeerError] = []
         for multiaddr in multiaddrs:
-            peer_id = await self._host.connect(multiaddr)  # DialError names the address
-            await self.add_peer(peer_id)
+            try:
+                peer_id = await self._host.connect(multiaddr)  # DialError names the address
+                await self.add_peer(peer_id)
+            except PeerError as exc:
+                # One dead bootstrap peer is no reason to stay out of the swarm.
+                log.warning("bootstrap through %s failed: %s", multiaddr, exc)
+                failures.append(exc)
+                continue
             peer_ids.append(peer_id)
+        if failures and not peer_ids:
+            raise failures[0]
         if peer_ids:
             await self.refresh()
         return peer_ids
@@ -448,6 +465,7 @@ async def open_discovery(
     host: P2PHost,
     clock: Clock = time.time,
     config: DiscoveryConfig | None = None,
+    admits: Callable[[str], bool] | None = None,
 ) -> AsyncIterator[Discovery]:
     """Run a Kademlia DHT server on `host` (random walk off); stop it on exit.
 
@@ -456,7 +474,7 @@ async def open_discovery(
     """
     config = config or DiscoveryConfig()
     _filter_noisy_dht_warning()
-    validator = RecordValidator(clock)
+    validator = RecordValidator(clock, admits=admits)
     dht = KadDHT(host.libp2p, DHTMode.SERVER, enable_random_walk=False, strict_validation=True)
     dht.register_validator(KEY_NAMESPACE, validator)
     try:

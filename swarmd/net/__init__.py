@@ -9,5 +9,6 @@
 - `rpc.py`       `RpcService` (handler side) and `call` / `call_ping` (caller side)
 - `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff
 - `auth.py`      the private-swarm proof: `SwarmKey`, `prove`, `check_proof`
+- `gate.py`      `SwarmGate`: runs that proof on every new connection, bans who fails
 - `swarm.py`     `SwarmPresence`: host + DHT + announcements for one node (trio side)
 """

@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 FRAME_HEADER_BYTES = 4
+MAX_CONTAINER_ITEMS = 4096  # items in one msgpack array or map (tensors travel as bin)
 FRAME_MAX_DECLARABLE = 2 ** (8 * FRAME_HEADER_BYTES) - 1
 DEFAULT_MAX_FRAME_BYTES = (
     16 * 1024 * 1024
@@ -97,8 +98,10 @@ def decode_body(body: bytes | memoryview) -> dict[str, Any]:
             use_list=True,
             max_str_len=limit,
             max_bin_len=limit,
-            max_array_len=limit,
-            max_map_len=limit,
+            # Per container, not per frame: a cap well under the frame size keeps a frame
+            # of nested empty arrays from growing 70x in memory.
+            max_array_len=min(limit, MAX_CONTAINER_ITEMS),
+            max_map_len=min(limit, MAX_CONTAINER_ITEMS),
             max_ext_len=0,
             ext_hook=_refuse_ext,
         )

@@ -15,7 +15,14 @@ import time
 import trio
 
 from swarmd.errors import PeerError, SwarmError
-from swarmd.net.auth import SwarmKey, check_proof, make_challenge, prove
+from swarmd.net.auth import (
+    CHALLENGE_BYTES,
+    PROOF_BYTES,
+    SwarmKey,
+    check_proof,
+    make_challenge,
+    prove,
+)
 from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost
 from swarmd.net.peers import PeerTable
@@ -25,6 +32,7 @@ log = logging.getLogger(__name__)
 AUTH_PROTOCOL = "/swarmd/auth/1"
 AUTH_TIMEOUT_S = 5.0  # the whole exchange, either side
 WATCH_INTERVAL_S = 0.1  # how soon a new connection is challenged
+RETRY_DELAY_S = 0.5  # before a second try at a peer that did not answer the first
 
 
 class SwarmGate:
@@ -34,7 +42,8 @@ class SwarmGate:
         self._peers = peers
         self._proven: set[str] = set()
         self._pending: set[str] = set()
-        host.set_handler(AUTH_PROTOCOL, self._answer)
+        # Not gated: unproven peers must reach it (it checks bans itself).
+        host.set_handler(AUTH_PROTOCOL, self._answer, gated=False)
 
     def allows(self, peer_id: str) -> bool:
         return peer_id == self._host.peer_id or peer_id in self._proven
@@ -56,38 +65,60 @@ class SwarmGate:
 
     async def _check(self, peer_id: str) -> None:
         try:
-            with trio.fail_after(AUTH_TIMEOUT_S):
-                await self._prove_to(peer_id)
-            self._proven.add(peer_id)
-        except (SwarmError, trio.TooSlowError) as exc:
-            await self._refuse(peer_id, f"did not prove the swarm key: {exc or 'timeout'}")
+            for attempt in range(2):
+                try:
+                    with trio.fail_after(AUTH_TIMEOUT_S):
+                        await self._prove_to(peer_id)
+                    self._proven.add(peer_id)
+                    return
+                except WrongProofError as exc:
+                    await self._refuse(peer_id, str(exc))
+                    return
+                except (SwarmError, trio.TooSlowError) as exc:
+                    # A peer that just connected may not serve the protocol yet: once more.
+                    if attempt == 1:
+                        await self._refuse(peer_id, f"did not prove the swarm key: {exc}")
+                        return
+                    await trio.sleep(RETRY_DELAY_S)
+        except Exception:  # one peer must never end the trio run
+            log.exception("swarm-key check of %s failed", peer_id[-8:])
+            await self._refuse(peer_id, "swarm-key check failed")
         finally:
             self._pending.discard(peer_id)
 
     async def _prove_to(self, peer_id: str) -> None:
         me = self._host.peer_id
         async with await self._host.open_stream(peer_id, AUTH_PROTOCOL) as stream:
-            their_challenge = _bytes(await stream.recv(AUTH_TIMEOUT_S), "challenge", peer_id)
+            reply = await stream.recv(AUTH_TIMEOUT_S)
+            their_challenge = _bytes(reply, "challenge", CHALLENGE_BYTES, peer_id)
             mine = make_challenge()
             proof = prove(self._key, their_challenge, me, peer_id)
             await stream.send({"proof": proof, "challenge": mine})
-            answer = _bytes(await stream.recv(AUTH_TIMEOUT_S), "proof", peer_id)
+            answer = _bytes(await stream.recv(AUTH_TIMEOUT_S), "proof", PROOF_BYTES, peer_id)
             if not check_proof(self._key, mine, peer_id, me, answer):
-                raise PeerError(f"peer {peer_id[-8:]} answered with a wrong proof", peer_id)
+                raise WrongProofError(f"peer {peer_id[-8:]} answered with a wrong proof", peer_id)
 
     async def _answer(self, stream: FrameStream) -> None:
         peer_id, me = stream.peer_id, self._host.peer_id
+        if self._peers.is_banned(peer_id, time.time()):
+            await self._host.disconnect(peer_id)
+            return
         challenge = make_challenge()
-        with trio.fail_after(AUTH_TIMEOUT_S):
-            await stream.send({"challenge": challenge})
-            reply = await stream.recv(AUTH_TIMEOUT_S)
-            proof = _bytes(reply, "proof", peer_id)
-            theirs = _bytes(reply, "challenge", peer_id)
-            if not check_proof(self._key, challenge, peer_id, me, proof):
-                await self._refuse(peer_id, "sent a wrong swarm-key proof")
-                return
-            self._proven.add(peer_id)
-            await stream.send({"proof": prove(self._key, theirs, me, peer_id)})
+        try:
+            with trio.fail_after(AUTH_TIMEOUT_S):
+                await stream.send({"challenge": challenge})
+                reply = await stream.recv(AUTH_TIMEOUT_S)
+                proof = _bytes(reply, "proof", PROOF_BYTES, peer_id)
+                theirs = _bytes(reply, "challenge", CHALLENGE_BYTES, peer_id)
+                if not check_proof(self._key, challenge, peer_id, me, proof):
+                    await self._refuse(peer_id, "sent a wrong swarm-key proof")
+                    return
+                self._proven.add(peer_id)
+                await stream.send({"proof": prove(self._key, theirs, me, peer_id)})
+        except trio.TooSlowError:
+            log.debug("swarm-key exchange with %s timed out", peer_id[-8:])
+        except PeerError as exc:
+            await self._refuse(peer_id, str(exc))
 
     async def _refuse(self, peer_id: str, reason: str) -> None:
         self._proven.discard(peer_id)
@@ -96,8 +127,12 @@ class SwarmGate:
         await self._host.disconnect(peer_id)
 
 
-def _bytes(message: dict[str, object], field: str, peer_id: str) -> bytes:
+class WrongProofError(PeerError):
+    """The peer answered, with a proof of another key."""
+
+
+def _bytes(message: dict[str, object], field: str, size: int, peer_id: str) -> bytes:
     value = message.get(field)
-    if not isinstance(value, bytes) or len(value) > 64:
-        raise PeerError(f"peer {peer_id[-8:]} sent no valid '{field}'", peer_id)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise WrongProofError(f"peer {peer_id[-8:]} sent no valid '{field}'", peer_id)
     return value

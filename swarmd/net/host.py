@@ -42,7 +42,14 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.utils.address_validation import expand_wildcard_address
 from multiaddr import Multiaddr
 
-from swarmd.errors import ConfigError, DialError, DialTimeoutError, IdentityError, SwarmError
+from swarmd.errors import (
+    ConfigError,
+    DialError,
+    DialTimeoutError,
+    FrameError,
+    IdentityError,
+    SwarmError,
+)
 from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream
 from swarmd.net.identity import Identity, public_key_from_peer_id
 
@@ -80,6 +87,10 @@ class P2PHost:
         self.identity = identity
         self.peer_id = identity.peer_id
         self.short_id = identity.short_id
+        # Set by the owner of the host: who may open swarmd streams, and what to do with a
+        # peer that sent garbage.
+        self.admits: Callable[[str], bool] | None = None
+        self.misbehaved: Callable[[str, str], Awaitable[None]] | None = None
 
     @property
     def libp2p(self) -> IHost:
@@ -147,8 +158,11 @@ class P2PHost:
         except _LIBP2P_ERRORS as exc:
             log.debug("disconnect from %s: %s", peer_id[-8:], _reason(exc))
 
-    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+    def set_handler(self, protocol: str, handler: StreamHandler, gated: bool = True) -> None:
         """Serve `protocol`: each incoming stream runs `handler(FrameStream)`.
+
+        A `gated` protocol first asks `admits(peer_id)` and resets the stream of a peer it
+        refuses; a bad frame reports the peer to `misbehaved` (which bans it).
 
         The stream is closed when the handler returns and reset when it raises. A handler
         that raises never disturbs the connection: SwarmErrors (a peer's bad frame, a
@@ -157,10 +171,20 @@ class P2PHost:
 
         async def on_stream(stream: INetStream) -> None:
             framed = self._frame_stream(stream)
+            if gated and self.admits is not None and not self.admits(framed.peer_id):
+                await framed.reset()  # banned, or not yet proven in a private swarm
+                return
             done = False
             try:
                 await handler(framed)
                 done = True
+            except FrameError as exc:
+                # Garbage on the wire is hostile or broken: the peer is banned (DESIGN 2).
+                log.warning(
+                    "DIAG: bad frame peer=%s protocol=%s: %s", framed.peer_id[-8:], protocol, exc
+                )
+                if self.misbehaved is not None:
+                    await self.misbehaved(framed.peer_id, f"bad frame on {protocol}: {exc}")
             except SwarmError as exc:
                 log.debug("%s stream from %s failed: %s", protocol, framed.peer_id[-8:], exc)
             except Exception:

@@ -73,15 +73,21 @@ class SwarmPresence:
         return self._discovery
 
     async def run(self) -> None:
-        """Runs until cancelled; `wait_ready` returns once the first announcement is out."""
+        """Runs until cancelled; `wait_ready` returns once the first announcement is out.
+
+        A failure is kept for `wait_ready`, never raised: an error escaping this background
+        task would end the whole trio run.
+        """
         try:
             async with (
                 open_host(
                     self.identity, self.settings.listen_port, self.settings.listen_host
                 ) as host,
-                open_discovery(host) as discovery,
+                open_discovery(host, admits=self._not_banned) as discovery,
                 trio.open_nursery() as nursery,
             ):
+                host.admits = self._admits
+                host.misbehaved = self._ban
                 RpcService(host)
                 if self.settings.swarm_key is not None:
                     self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
@@ -94,17 +100,53 @@ class SwarmPresence:
                     await self._announce()
                     self._ready.set()
                     await self._renew_forever()
+                except SwarmError as exc:
+                    # Caught here, inside the nursery, so it is not wrapped in a group.
+                    self._fail(exc)
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(WITHDRAW_TIMEOUT_S):
                         await self._withdraw()
                     self._host = self._discovery = None
                     nursery.cancel_scope.cancel()
         except SwarmError as exc:
-            # Kept for wait_ready rather than raised: an error escaping a background task
-            # would end the whole trio run, and the node is stopping anyway.
-            log.error("the swarm layer stopped: %s", exc)
-            self._failure = exc
-            self._ready.set()
+            self._fail(exc)
+        except Exception as exc:  # a bug in the swarm layer: keep the API up, say so
+            log.exception("the swarm layer failed")
+            self._fail(InternalError(f"the swarm layer failed: {exc!r}"))
+
+    @property
+    def failure(self) -> SwarmError | None:
+        return self._failure
+
+    def _fail(self, exc: SwarmError) -> None:
+        log.error("DIAG: swarm layer stopped: %s", exc)
+        self._failure = exc
+        self._ready.set()
+
+    def _not_banned(self, peer_id: str) -> bool:
+        return not self.peers.is_banned(peer_id, time.time())
+
+    def _admits(self, peer_id: str) -> bool:
+        """Who may use this node's swarmd protocols (the auth protocol excepted)."""
+        if not self._not_banned(peer_id):
+            return False
+        return self._gate is None or self._gate.allows(peer_id)
+
+    async def _ban(self, peer_id: str, reason: str) -> None:
+        until = self.peers.ban(peer_id, reason, time.time())
+        log.warning(
+            "DIAG: peer banned peer=%s for_s=%.0f reason=%s",
+            peer_id[-8:],
+            until - time.time(),
+            reason,
+        )
+        if self._host is not None:
+            await self._host.disconnect(peer_id)
+
+    async def announce_now(self) -> None:
+        """Renew the records at once (e.g. once the API address is known)."""
+        if self._discovery is not None:
+            await self._announce()
 
     async def wait_ready(self) -> None:
         await self._ready.wait()
@@ -164,7 +206,8 @@ class SwarmPresence:
                 continue
             self.peers.record_rtt(peer_id, rtt_s * 1000.0, time.time())
 
-    async def snapshot(self) -> tuple[list[str], tuple[PeerRow, ...]]:
-        """Connected peer ids and the peer table, read on the trio side."""
+    async def snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
+        """Connected peer ids, the peer table and rejected-record counts (trio side)."""
         connected = self.host.connected_peers() if self._host is not None else []
-        return connected, self.peers.snapshot()
+        rejected = self._discovery.stats.as_dict() if self._discovery is not None else {}
+        return connected, self.peers.snapshot(), rejected

@@ -123,6 +123,8 @@ def test_peers_lists_the_other_node(
         env={**os.environ, "COLUMNS": "250"},
     )
     assert first_id in result.stdout and "0:4" in result.stdout
+    health = second.health()
+    assert health["status"] == "ok" and health["swarm"] == "ready"
 
 
 def test_a_private_swarm_keeps_out_other_keys(
