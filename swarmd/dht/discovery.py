@@ -81,6 +81,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MAX_PROVIDERS_PER_ANSWER = 64  # providers taken from one peer's GET_PROVIDERS answer
+MAX_PROVIDERS = 256  # holders of one model looked at per lookup
+
 Clock = Callable[[], float]
 
 WITHDRAW_TTL_S = 5.0  # a withdrawal ("draining") record lives this long
@@ -385,7 +388,11 @@ class Discovery:
                 providers, _closer = await store._get_providers_from_peer_with_closers(
                     peer, key_bytes
                 )
-                for info in providers:
+                # A hostile peer may answer with thousands of made-up providers: take a
+                # bounded number from each answer and in all.
+                for info in providers[:MAX_PROVIDERS_PER_ANSWER]:
+                    if len(found) >= MAX_PROVIDERS:
+                        break
                     found.add(str(info.peer_id))
                     if info.addrs and info.peer_id != self._local_id:
                         peerstore.add_addrs(info.peer_id, info.addrs, _ADDR_TTL_S)

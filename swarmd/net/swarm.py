@@ -23,12 +23,11 @@ from swarmd.net.gate import SwarmGate
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.peers import PeerRow, PeerTable
-from swarmd.net.rpc import RpcService, call_ping
+from swarmd.net.rpc import PING_TIMEOUT_S, RpcService, call_ping
 
 log = logging.getLogger(__name__)
 
 WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
-PING_TIMEOUT_S = 5.0
 PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
 
 

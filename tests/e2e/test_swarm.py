@@ -34,6 +34,16 @@ def nodes(swarm_env: None) -> Iterator[list[NodeProcess]]:
         node.stop()
 
 
+def launch_node(nodes: list[NodeProcess], tmp_path: Path, name: str, *args: str) -> NodeProcess:
+    """Start a node on free ports with its own data dir; `nodes` stops it at the end."""
+    workdir = tmp_path / name
+    workdir.mkdir()
+    data = ["--data-dir", str(workdir / "data")]
+    node = start_node(["--port", "0", "--p2p-port", "0", *data, *args], workdir)
+    nodes.append(node)
+    return node
+
+
 def holders(node: NodeProcess) -> dict[str, list[int]]:
     entry = node.get_json("/v1/models")["data"][0]  # type: ignore[index]
     return {h["peer_id"]: h["layers"] for h in entry["swarm"]["holders"]}
@@ -43,12 +53,7 @@ def test_five_nodes_discover_each_other_and_forget_a_dead_one(
     nodes: list[NodeProcess], test_cache_dir: Path, tmp_path: Path, smollm_dir: Path
 ) -> None:
     def launch(name: str, *extra: str) -> NodeProcess:
-        workdir = tmp_path / name
-        workdir.mkdir()
-        args = ["--port", "0", "--p2p-port", "0", "--cache-dir", str(test_cache_dir)]
-        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
-        nodes.append(node)
-        return node
+        return launch_node(nodes, tmp_path, name, "--cache-dir", str(test_cache_dir), *extra)
 
     a = launch("a")
     join = ["--bootstrap", a.p2p_addrs[0]]
@@ -97,12 +102,7 @@ def test_peers_lists_the_other_node(
     import sys
 
     def launch(name: str, *extra: str) -> NodeProcess:
-        workdir = tmp_path / name
-        workdir.mkdir()
-        args = ["--model", str(tiny_chat_dir), "--port", "0", "--p2p-port", "0"]
-        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
-        nodes.append(node)
-        return node
+        return launch_node(nodes, tmp_path, name, "--model", str(tiny_chat_dir), *extra)
 
     first = launch("first")
     second = launch("second", "--bootstrap", first.p2p_addrs[0])
@@ -140,12 +140,7 @@ def test_a_private_swarm_keeps_out_other_keys(
     theirs = key_file("theirs.key", "b" * 64)
 
     def launch(name: str, *extra: str) -> NodeProcess:
-        workdir = tmp_path / name
-        workdir.mkdir()
-        args = ["--model", str(tiny_chat_dir), "--port", "0", "--p2p-port", "0"]
-        node = start_node([*args, "--data-dir", str(workdir / "data"), *extra], workdir)
-        nodes.append(node)
-        return node
+        return launch_node(nodes, tmp_path, name, "--model", str(tiny_chat_dir), *extra)
 
     first = launch("first", "--swarm-key", ours)
     join = ["--bootstrap", first.p2p_addrs[0]]
