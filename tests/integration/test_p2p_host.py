@@ -458,7 +458,6 @@ trio.run(main)
 """
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="needs SIGSTOP")
 def test_a_silent_peer_turns_into_an_error() -> None:
     """A peer that stops answering (SIGSTOP) ends a pending read within seconds."""
     proc = subprocess.Popen([sys.executable, "-c", SILENT_PEER], stdout=subprocess.PIPE, text=True)

@@ -199,7 +199,6 @@ def test_group_readable_is_allowed(tmp_path: Path) -> None:
     assert load_swarm_key(path) == SwarmKey(b"x" * 32)
 
 
-@pytest.mark.skipif(os.name == "nt", reason="POSIX file modes")
 @pytest.mark.parametrize("mode", [0o644, 0o604, 0o602, 0o601, 0o666])
 def test_world_accessible_file_is_refused(tmp_path: Path, mode: int) -> None:
     path = write_key(tmp_path / "swarm.key", "x" * 32, mode=mode)
@@ -230,7 +229,6 @@ def test_missing_file_and_directory_are_refused(tmp_path: Path) -> None:
         load_swarm_key(directory)
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "swarm.key"
     os.mkfifo(fifo, 0o600)
