@@ -10,5 +10,6 @@
 - `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff
 - `auth.py`      the private-swarm proof: `SwarmKey`, `prove`, `check_proof`
 - `gate.py`      `SwarmGate`: runs that proof on every new connection, bans who fails
+- `private_file.py` `read_private_file`: key files must be regular, private, small
 - `swarm.py`     `SwarmPresence`: host + DHT + announcements for one node (trio side)
 """

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
-import stat
 from pathlib import Path
 
 from swarmd.errors import ConfigError
+from swarmd.net.private_file import read_private_file
 
 __all__ = [
     "CHALLENGE_BYTES",
@@ -96,38 +95,15 @@ def load_swarm_key(path: Path | str) -> SwarmKey:
     """The swarm key in `path`; raises ConfigError naming the file if it is unusable."""
     path = Path(path)
     try:
-        # O_NONBLOCK: a FIFO in place of the file must not hang the start-up (refused below).
-        flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
-        fd = os.open(path, flags)
-    except OSError as exc:
+        blob = read_private_file(path, "swarm key file", MAX_KEY_FILE_BYTES, 0o007, ConfigError)
+    except FileNotFoundError as exc:
         raise ConfigError(f"Cannot read the swarm key file {path}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"The swarm key file {path} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if os.name != "nt" and mode & 0o007:
-            raise ConfigError(
-                f"The swarm key file {path} has mode {mode:04o}: other users can access "
-                f"it. Fix it with: chmod 600 {path}"
-            )
-        chunks = []
-        total = 0
-        while total <= MAX_KEY_FILE_BYTES:
-            chunk = os.read(fd, MAX_KEY_FILE_BYTES + 1 - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"Cannot read the swarm key file {path}: {exc}") from exc
-    finally:
-        os.close(fd)
+    total = len(blob)
     if total > MAX_KEY_FILE_BYTES:
         raise ConfigError(
             f"The swarm key file {path} is over {MAX_KEY_FILE_BYTES} bytes; is it the right file?"
         )
-    secret = b"".join(chunks).strip()
+    secret = blob.strip()
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(
             f"The swarm key file {path} holds {len(secret)} bytes; a swarm secret needs at "

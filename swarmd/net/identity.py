@@ -15,7 +15,6 @@ seed=identity.private_seed)``.
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -26,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from swarmd.errors import IdentityError
+from swarmd.net.private_file import read_private_file
 
 __all__ = [
     "KEY_FILE_NAME",
@@ -219,34 +219,11 @@ def _decode_key_file(path: Path, blob: bytes) -> Identity:
 def _read_key_file(path: Path) -> Identity | None:
     """The identity in ``path``, or None if the file does not exist."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        blob = read_private_file(
+            path, "identity key file", _KEY_FILE_MAX_BYTES, 0o077, IdentityError
+        )
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise IdentityError(f"Cannot read the identity key file {path}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise IdentityError(f"The identity key file {path} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if os.name != "nt" and mode & 0o077:
-            raise IdentityError(
-                f"The identity key file {path} has mode {mode:04o}: it must not be "
-                f"accessible to group or others. Fix it with: chmod 600 {path}"
-            )
-        chunks = []
-        total = 0
-        while total <= _KEY_FILE_MAX_BYTES:
-            chunk = os.read(fd, _KEY_FILE_MAX_BYTES + 1 - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-        blob = b"".join(chunks)
-    except OSError as exc:
-        raise IdentityError(f"Cannot read the identity key file {path}: {exc}") from exc
-    finally:
-        os.close(fd)
     return _decode_key_file(path, blob)
 
 
