@@ -68,8 +68,8 @@ from swarmd.dht.records import (
     sign_record,
 )
 from swarmd.errors import PeerError, RecordError, WrongOwnerError
-from swarmd.net.host import P2PHost
-from swarmd.net.identity import Identity, public_key_from_peer_id
+from swarmd.net.host import P2PHost, libp2p_peer_id
+from swarmd.net.identity import Identity
 
 __all__ = [
     "WITHDRAW_TTL_S",
@@ -413,7 +413,7 @@ class Discovery:
             if own is not None:
                 values.append(own.value)
         else:
-            pid = _parse_peer_id_or_none(peer_id)
+            pid = libp2p_peer_id(peer_id)
             if pid is None:
                 return None
             with trio.move_on_after(self._config.record_timeout_s):
@@ -498,17 +498,8 @@ async def open_discovery(
 # --- helpers ----------------------------------------------------------------------------
 
 
-def _parse_peer_id_or_none(peer_id: str) -> ID | None:
-    if public_key_from_peer_id(peer_id) is None:
-        return None
-    try:
-        return ID.from_base58(peer_id)
-    except ValueError:
-        return None
-
-
 def _parse_peer_id(peer_id: str) -> ID:
-    pid = _parse_peer_id_or_none(peer_id)
+    pid = libp2p_peer_id(peer_id)
     if pid is None:
         raise PeerError(f"{peer_id!r} is not an Ed25519 peer id", peer_id)
     return pid

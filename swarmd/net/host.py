@@ -373,10 +373,24 @@ def _check_can_listen(host_ip: str, port: int) -> None:
             raise ConfigError(f"cannot listen on {host_ip}:{port}: {exc}") from exc
 
 
-def _parse_peer_id(peer_id: str) -> ID:
+def libp2p_peer_id(peer_id: str) -> ID | None:
+    """libp2p's ID for an Ed25519 peer id string; None for anything else.
+
+    `ID.from_base58` alone accepts any base58 text, so the key inside is checked first.
+    """
     if public_key_from_peer_id(peer_id) is None:
+        return None
+    try:
+        return ID.from_base58(peer_id)
+    except ValueError:
+        return None
+
+
+def _parse_peer_id(peer_id: str) -> ID:
+    pid = libp2p_peer_id(peer_id)
+    if pid is None:
         raise DialError(f"{peer_id!r} is not an Ed25519 peer id")
-    return ID.from_base58(peer_id)
+    return pid
 
 
 def _reason(exc: BaseException) -> str:

@@ -22,7 +22,6 @@ from swarmd.model.worker import TorchWorker
 class Hop:
     short_id: str  # the node's short id (last 8 chars of its peer id)
     layers: LayerRange
-    local: bool
 
 
 class StageChain(Protocol):

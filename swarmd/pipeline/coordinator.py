@@ -67,7 +67,7 @@ class Coordinator:
             if model.layers.end < model.num_layers:
                 missing.append((model.layers.end, model.num_layers))
             raise NoRouteError(model.model_id, missing)
-        hop = Hop(self.short_id, model.layers, local=True)
+        hop = Hop(self.short_id, model.layers)
         return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
 
     @asynccontextmanager
