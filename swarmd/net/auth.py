@@ -107,7 +107,8 @@ def load_swarm_key(path: Path | str) -> SwarmKey:
     if len(secret) < MIN_SECRET_BYTES:
         raise ConfigError(
             f"The swarm key file {path} holds {len(secret)} bytes; a swarm secret needs at "
-            f"least {MIN_SECRET_BYTES}. Make one with: swarmd swarm-key > {path}"
+            f"least {MIN_SECRET_BYTES}. Make one with: "
+            f"python3 -c 'import secrets; print(secrets.token_hex(32))' > {path}"
         )
     return SwarmKey(secret)
 
