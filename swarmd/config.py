@@ -62,6 +62,9 @@ class Config:
     swarm_key: str = ""  # file holding the private swarm's secret; "" = an open swarm
     record_ttl_s: float = 60.0  # lifetime of this node's DHT records
     republish_interval_s: float = 20.0  # how often they are renewed
+    max_failovers: int = 3  # stage failures one distributed request survives
+    session_idle_timeout_s: float = 120.0  # a stage frees a session idle this long
+    stage_open_timeout_s: float = 20.0  # setting up a distributed session on its route
 
 
 _TYPES: dict[str, type] = get_type_hints(Config)
@@ -94,6 +97,9 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "record_ttl_s": (lambda v: math.isfinite(v) and 5 <= v <= 3600, "in 5..3600 seconds"),
     "republish_interval_s": (_finite_positive, "a finite number > 0"),
+    "max_failovers": (lambda v: 0 <= v <= 100, "in 0..100"),
+    "session_idle_timeout_s": (_finite_positive, "a finite number > 0"),
+    "stage_open_timeout_s": (_finite_positive, "a finite number > 0"),
 }
 
 

@@ -16,7 +16,8 @@
     ├── UnavailableError            cannot serve now (has Retry-After) -> 503
     │   ├── OverloadedError         every session slot busy past the queue timeout
     │   ├── StepTimeoutError        one model step ran past step_timeout_s
-    │   └── NoRouteError            layers missing from the swarm
+    │   ├── NoRouteError            layers missing from the swarm
+    │   └── RouteFailedError        stages kept failing past the failover limit
     ├── RecordError                 a DHT record refused (dropped, never served)
     │   ├── RecordTooLargeError     value over the size limit, refused unread
     │   ├── MalformedRecordError    not msgpack, wrong fields, types or ranges
@@ -34,7 +35,9 @@
     │   ├── SendTimeoutError        the peer stopped reading (send_timeout_s)
     │   ├── RecvTimeoutError        no whole frame within the read timeout
     │   ├── RpcTimeoutError         a remote call ran past its timeout (peer, method)
-    │   └── RemoteError             the peer's handler failed (peer, method, type, message)
+    │   ├── RemoteError             the peer's handler failed (peer, method, type, message)
+    │   ├── StageRefusedError       a stage will not open a session it cannot serve
+    │   └── StageFailedError        a stage of a route failed (peer, kind: lost|bad|refused)
     └── InternalError               a bug or a worker failure          -> 500
 
 Library errors are translated into this tree where they are caught (`raise ... from exc`);
@@ -134,6 +137,10 @@ class NoRouteError(UnavailableError):
         super().__init__(
             f"No route for model '{model}': layers {ranges} are not served", retry_after_s
         )
+
+
+class RouteFailedError(UnavailableError):
+    """A distributed route failed more often than the failover limit allows."""
 
 
 class InternalError(SwarmError):
@@ -240,3 +247,19 @@ class RemoteError(PeerError):
             f"{remote_type}: {remote_message}",
             peer_id,
         )
+
+
+class StageRefusedError(PeerError):
+    """This node will not serve a stage session (wrong model or layers, no free slot)."""
+
+
+class StageFailedError(PeerError):
+    """A stage of a distributed route failed; `peer_id` names the culprit when known.
+
+    kind: "lost" (connection gone or silent), "bad" (sent garbage: banned), "refused"
+    (would not open the session).
+    """
+
+    def __init__(self, message: str, peer_id: str | None, kind: str) -> None:
+        super().__init__(message, peer_id)
+        self.kind = kind

@@ -12,7 +12,9 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -20,8 +22,8 @@ from swarmd import __version__
 from swarmd.api.app import create_app
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import ConfigError, SwarmError
-from swarmd.model.loader import LoadedModel, load_model
+from swarmd.errors import ConfigError, InternalError, SwarmError
+from swarmd.model.loader import DTYPES, LoadedModel, load_model
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.source import resolve_model
 from swarmd.model.worker import TorchWorker
@@ -32,11 +34,17 @@ from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.peers import BanRow, PeerRow
 from swarmd.net.swarm import SwarmPresence, SwarmSettings
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
+from swarmd.pipeline.distributed import ChainSettings
+from swarmd.pipeline.ring import RingTimeouts
+from swarmd.pipeline.stage_service import StageService, StageTimeouts
+from swarmd.pipeline.wire import StageLimits
 
 log = logging.getLogger(__name__)
 
 SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
 HOLDERS_CACHE_S = 2.0  # how long a DHT lookup answers /v1/models and /api/peers
+
+T = TypeVar("T")
 
 
 class Node:
@@ -52,9 +60,24 @@ class Node:
             step_timeout_s=config.step_timeout_s,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
-        self.coordinator = Coordinator(model, self.runtime, self.worker, identity.short_id, limits)
+        chain_settings = ChainSettings(
+            model_id=model.model_id,
+            num_layers=model.num_layers,
+            vocab_size=int(model.config.vocab_size),
+            chunk_tokens=config.prefill_chunk_tokens,
+            max_failovers=config.max_failovers,
+            timeouts=RingTimeouts(
+                open_s=config.stage_open_timeout_s, step_s=config.step_timeout_s + 5.0
+            ),
+        )
+        self.coordinator = Coordinator(
+            model, self.runtime, self.worker, identity.short_id, limits, self, chain_settings
+        )
         self.bridge = TrioBridge()
-        self.swarm = SwarmPresence(identity, _swarm_settings(config), self._make_record)
+        self.swarm = SwarmPresence(
+            identity, _swarm_settings(config), self._make_record, self._run_stage_service
+        )
+        self._stage_service: StageService | None = None
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
@@ -142,6 +165,61 @@ class Node:
 
     def listen_addrs(self) -> list[str]:
         return list(self.swarm.addrs)
+
+    # --- what a distributed chain needs (pipeline.distributed.SwarmAccess) ---------------
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def stage_service(self) -> StageService:
+        if self._stage_service is None:
+            raise InternalError("the stage service is not running")
+        return self._stage_service
+
+    def rtt_ms(self) -> dict[str, float]:
+        return {r.peer_id: r.rtt_ms for r in self.swarm.peers.snapshot() if r.rtt_ms is not None}
+
+    def banned(self) -> set[str]:
+        return {row.peer_id for row in self.swarm.peers.bans(time.time())}
+
+    async def ban(self, peer_id: str, reason: str) -> None:
+        await self.bridge.run(self.swarm.ban, peer_id, reason)
+        self._holders_cache.clear()
+
+    async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return await self.bridge.run(fn, *args)
+
+    async def _run_stage_service(self, host: P2PHost) -> None:
+        """Trio side: serve the stage protocol for as long as the host runs."""
+        model = self.model
+        limits = StageLimits(
+            peer_id=self.identity.peer_id,
+            model_id=model.model_id,
+            held=model.layers,
+            num_layers=model.num_layers,
+            hidden_size=int(model.config.hidden_size),
+            vocab_size=int(model.config.vocab_size),
+            context_length=model.context_length,
+        )
+        timeouts = StageTimeouts(
+            open_s=self.config.stage_open_timeout_s,
+            idle_s=self.config.session_idle_timeout_s,
+            step_s=self.config.step_timeout_s,
+        )
+
+        async def compute(fn: Callable[[], Any], timeout_s: float, must_run: bool) -> Any:
+            return await self.bridge.to_asyncio(self.worker.call(fn, timeout_s, must_run))
+
+        service = StageService(
+            host, self.runtime, limits, DTYPES[model.dtype_name], compute, self.swarm.ban, timeouts
+        )
+        self._stage_service = service
+        try:
+            await service.run()
+        finally:
+            self._stage_service = None
 
     def _make_record(self, host: P2PHost) -> NodeRecord:
         # Called on the trio side; trio runs as a guest on this thread, so reading the

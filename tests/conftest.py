@@ -82,13 +82,21 @@ def _pump(stream: object, lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def start_node(args: list[str], workdir: Path, ready_timeout_s: float = 180.0) -> NodeProcess:
-    """Start `swarmd run ARGS` and wait (with a deadline) until it says it is serving."""
+def start_node(
+    args: list[str],
+    workdir: Path,
+    ready_timeout_s: float = 180.0,
+    launcher: list[str] | None = None,
+) -> NodeProcess:
+    """Start `swarmd run ARGS` and wait (with a deadline) until it says it is serving.
+
+    `launcher` replaces `python -m swarmd` (e.g. a test script wrapping a node).
+    """
     log_path = workdir / f"node-{time.monotonic_ns()}.log"
     log_file = log_path.open("w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "swarmd", "run", *args],
+        [*(launcher or [sys.executable, "-m", "swarmd"]), "run", *args],
         stdout=subprocess.PIPE,
         stderr=log_file,
         text=True,

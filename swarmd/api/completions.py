@@ -123,7 +123,7 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
             {"node": hop.short_id, "layers": [hop.layers.start, hop.layers.end], "ms": _ms(s)}
             for hop, s in zip(hops, gen.chain.stage_seconds(), strict=False)
         ],
-        "failovers": 0,
+        "failovers": gen.chain.failovers,
         "timing": {
             "queue_ms": _ms(t.queue_s),
             "sched_ms": _ms(t.sched_s),

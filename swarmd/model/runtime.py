@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError
+from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import Sampler, SamplingParams
 from swarmd.model.stage import StageModule
 
@@ -20,6 +21,7 @@ from swarmd.model.stage import StageModule
 @dataclass
 class StageSession:
     session_id: str
+    module: StageModule  # the layers this session runs (all this node holds, or part)
     cache: DynamicCache
     max_length: int  # tokens this session may hold in its cache
     sampler: Sampler | None  # only on the last stage
@@ -38,6 +40,7 @@ class StageRuntime:
         self.stage = stage
         self.max_sessions = max_sessions
         self._sessions: dict[str, StageSession] = {}
+        self._views: dict[LayerRange, StageModule] = {}
 
     @property
     def session_count(self) -> int:
@@ -53,19 +56,25 @@ class StageRuntime:
         max_length: int,
         sampling: SamplingParams | None,
         history: list[int] | None = None,
+        layers: LayerRange | None = None,
     ) -> None:
-        """Create a session. `history`: reply tokens already sampled (for penalties)."""
+        """Create a session over `layers` (default: all held).
+
+        `history`: reply tokens already sampled (for the penalties), when a session is
+        rebuilt after a failover.
+        """
         if session_id in self._sessions:
             raise InternalError(f"Session {session_id} is already open")
         if len(self._sessions) >= self.max_sessions:
             raise OverloadedError(f"All {self.max_sessions} session slots of this stage are busy")
+        module = self._view(layers)
         sampler = None
-        if self.stage.is_last and sampling is not None:
-            sampler = Sampler(sampling, self.stage.vocab_size)
+        if module.is_last and sampling is not None:
+            sampler = Sampler(sampling, module.vocab_size)
             for token in history or []:
                 sampler.observe(token)
         self._sessions[session_id] = StageSession(
-            session_id, self.stage.new_cache(), max_length, sampler
+            session_id, module, module.new_cache(), max_length, sampler
         )
 
     def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> StepResult:
@@ -78,16 +87,25 @@ class StageRuntime:
                 f"limit of {session.max_length}"
             )
         started = time.perf_counter()
-        out = self.stage(inputs, session.cache)
+        module = session.module
+        out = module(inputs, session.cache)
         token = None
-        if self.stage.is_last and want_token:
+        if module.is_last and want_token:
             if session.sampler is None:
                 raise InternalError(f"Session {session_id} has no sampling parameters")
             token = session.sampler.sample(out[0])
         elapsed = time.perf_counter() - started
         session.length += count
-        hidden = None if self.stage.is_last else out
+        hidden = None if module.is_last else out
         return StepResult(hidden, token, elapsed)
+
+    def _view(self, layers: LayerRange | None) -> StageModule:
+        if layers is None:
+            return self.stage
+        view = self._views.get(layers)
+        if view is None:  # a handful of ranges at most: the ones routes ask for
+            view = self._views[layers] = self.stage.view(layers)
+        return view
 
     def close(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)

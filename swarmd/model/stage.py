@@ -63,6 +63,37 @@ class StageModule(nn.Module):
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.stage_config)
 
+    def view(self, layers: LayerRange) -> StageModule:
+        """Layers [start, end) of this stage as a stage of their own, sharing the weights.
+
+        A route may ask a node for part of what it holds. The view renumbers its layers
+        from 0 (its cache indexes from 0), has the embeddings only when it starts at layer
+        0 and the head only when it ends at the model's last layer.
+        """
+        held = self.layers_range
+        if layers == held:
+            return self
+        if not (held.start <= layers.start and layers.end <= held.end):
+            raise ModelLoadError(f"Layers {layers} are not inside this stage's {held}")
+        lo, hi = layers.start - held.start, layers.end - held.start
+        sub = StageModule.__new__(StageModule)
+        nn.Module.__init__(sub)
+        sub.layers_range = layers
+        sub.num_model_layers = self.num_model_layers
+        sub.stage_config = _sub_config(self.stage_config, lo, hi)
+        sub.hidden_size = self.hidden_size
+        sub.vocab_size = self.vocab_size
+        sub.embed = self.embed if layers.is_first() else None
+        sub.layers = nn.ModuleList(
+            _renumbered(layer, i) for i, layer in enumerate(self.layers[lo:hi])
+        )
+        last = layers.is_last(self.num_model_layers)
+        sub.norm = self.norm if last else None
+        sub.lm_head = self.lm_head if last else None
+        sub.rotary = self.rotary
+        sub.mask_kinds = self.mask_kinds[lo:hi]
+        return sub.eval()
+
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Run this stage's layers over one chunk of one sequence.
@@ -121,6 +152,27 @@ def _mask_kinds(config: PretrainedConfig, layers: LayerRange) -> list[str]:
     if unknown:
         raise ModelLoadError(f"Unsupported attention layer types: {sorted(unknown)}")
     return kinds
+
+
+def _renumbered(layer: nn.Module, index: int) -> nn.Module:
+    """A shallow copy of a decoder layer whose attention uses cache slot `index`."""
+    copy_ = copy.copy(layer)
+    copy_._modules = dict(layer._modules)  # copy.copy would share the children's dict
+    attn = copy.copy(layer.self_attn)
+    attn.layer_idx = index
+    copy_._modules["self_attn"] = attn
+    if hasattr(copy_, "layer_idx"):
+        copy_.layer_idx = index
+    return copy_
+
+
+def _sub_config(stage_config: PretrainedConfig, lo: int, hi: int) -> PretrainedConfig:
+    sub = copy.deepcopy(stage_config)
+    sub.num_hidden_layers = hi - lo
+    layer_types = getattr(stage_config, "layer_types", None)
+    if layer_types:
+        sub.layer_types = list(layer_types[lo:hi])
+    return sub
 
 
 def _stage_config(config: PretrainedConfig, layers: LayerRange) -> PretrainedConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -46,8 +46,12 @@ class SwarmPresence:
         identity: Identity,
         settings: SwarmSettings,
         make_record: Callable[[P2PHost], NodeRecord],
+        services: Callable[[P2PHost], Awaitable[None]] | None = None,
     ) -> None:
+        """`services(host)`: more protocols on this host (e.g. the stage service); it runs
+        for as long as the host, and is cancelled with it."""
         self.identity = identity
+        self._services = services
         self.settings = settings
         self.peers = PeerTable()
         self._make_record = make_record
@@ -86,12 +90,14 @@ class SwarmPresence:
                 trio.open_nursery() as nursery,
             ):
                 host.admits = self._admits
-                host.misbehaved = self._ban
+                host.misbehaved = self.ban
                 RpcService(host)
                 if self.settings.swarm_key is not None:
                     self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
                     nursery.start_soon(self._gate.watch)
                 nursery.start_soon(self._ping_forever)
+                if self._services is not None:
+                    nursery.start_soon(self._services, host)
                 self._host, self._discovery = host, discovery
                 self.addrs = host.addrs
                 try:
@@ -131,7 +137,8 @@ class SwarmPresence:
             return False
         return self._gate is None or self._gate.allows(peer_id)
 
-    async def _ban(self, peer_id: str, reason: str) -> None:
+    async def ban(self, peer_id: str, reason: str) -> None:
+        """Ban a peer (growing backoff) and cut its connections."""
         until = self.peers.ban(peer_id, reason, time.time())
         log.warning(
             "DIAG: peer banned peer=%s for_s=%.0f reason=%s",

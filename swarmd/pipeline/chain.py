@@ -25,7 +25,8 @@ class Hop:
 
 
 class StageChain(Protocol):
-    hops: list[Hop]
+    hops: list[Hop]  # the route now (after a failover, the new one)
+    failovers: int
 
     @property
     def is_local(self) -> bool:
@@ -50,6 +51,7 @@ class LocalChain:
         self, runtime: StageRuntime, worker: TorchWorker, hop: Hop, step_timeout_s: float
     ) -> None:
         self.hops = [hop]
+        self.failovers = 0
         self._runtime = runtime
         self._worker = worker
         self._timeout_s = step_timeout_s

@@ -1,7 +1,8 @@
 """`Coordinator`: admits a request, picks its route, runs it, and reports it.
 
-The node that receives an API request coordinates it. Until the swarm layer lands the
-only route is this node itself, holding the whole model.
+The node that receives an API request coordinates it. A node holding the whole model
+answers locally (`LocalChain`); otherwise it plans a route over the swarm's holders and
+runs a `DistributedChain` (with failover) on it.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from swarmd.errors import ModelNotFoundError, NoRouteError, OverloadedError, SwarmError
+from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.loader import LoadedModel
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.worker import TorchWorker
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
+from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, RequestRing, ms
 
@@ -40,8 +42,12 @@ class Coordinator:
         worker: TorchWorker,
         short_id: str,
         limits: CoordinatorLimits,
+        swarm: SwarmAccess | None = None,
+        chain_settings: ChainSettings | None = None,
     ) -> None:
         self.model = model
+        self.swarm = swarm
+        self.chain_settings = chain_settings
         self.runtime = runtime
         self.short_id = short_id
         self.ring = RequestRing()
@@ -60,15 +66,16 @@ class Coordinator:
             raise ModelNotFoundError(model_id, [self.model.model_id])
         return self.model
 
-    def plan(self) -> StageChain:
+    async def plan(self, need_tokens: int) -> StageChain:
+        """This node alone when it holds every layer, else the best route over the swarm."""
         model = self.model
-        if not model.is_whole:
-            missing = [(0, model.layers.start)] if model.layers.start > 0 else []
-            if model.layers.end < model.num_layers:
-                missing.append((model.layers.end, model.num_layers))
-            raise NoRouteError(model.model_id, missing)
-        hop = Hop(self.short_id, model.layers)
-        return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
+        if model.is_whole:
+            hop = Hop(self.short_id, model.layers)
+            return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
+        if self.swarm is None or self.chain_settings is None:
+            raise SwarmError("this node holds part of the model and has no swarm to route over")
+        route = await plan(self.swarm, self.chain_settings, need_tokens)
+        return DistributedChain(self.swarm, self.chain_settings, route, need_tokens)
 
     @asynccontextmanager
     async def generation(
@@ -93,7 +100,7 @@ class Coordinator:
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = self.plan()
+            chain = await self.plan(len(request.prompt_ids) + request.max_tokens)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,
@@ -136,7 +143,7 @@ class Coordinator:
         return RequestRecord(
             request_id=request.request_id,
             model=request.model_id,
-            route="local" if chain is None or chain.is_local else "distributed",
+            route=_route_kind(chain, self.model),
             nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
             outcome="ok" if error is None else "error",
             error_type=None if error is None else type(error).__name__,
@@ -149,5 +156,11 @@ class Coordinator:
             tokens=gen.completion_tokens if gen is not None and gen.tokens else None,
             stage_ms=tuple(s * 1000.0 for s in chain.stage_seconds()) if chain else (),
             activation_bytes=chain.activation_bytes() if chain is not None else None,
-            failovers=0 if chain is not None else None,
+            failovers=chain.failovers if chain is not None else None,
         )
+
+
+def _route_kind(chain: StageChain | None, model: LoadedModel) -> str:
+    if chain is not None:
+        return "local" if chain.is_local else "distributed"
+    return "local" if model.is_whole else "distributed"  # refused before a route existed

@@ -1,0 +1,245 @@
+"""`DistributedChain`: a route over several peers, with failover (asyncio side).
+
+It is the `StageChain` of a distributed request. Each session runs on a `Ring` (trio,
+reached through the bridge). When a stage fails, the failover is the small algorithm of
+STYLE habit 8:
+
+1. ban the peer to blame (with the peer table's growing backoff; a stage that merely
+   refused is only left out of this request);
+2. re-route only the broken range (`route.replan`: its standby, else any other holder);
+3. rebuild the session on the new route by replaying every token fed so far (prompt and
+   reply, in prefill-sized chunks; the last stage's sampler is told the reply tokens so
+   penalties stay right), then retry the step that failed.
+
+At most `max_failovers` times per request; then `RouteFailedError`. When nobody holds a
+range any more, `NoRouteError` names the missing layers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import InternalError, RouteFailedError, StageFailedError
+from swarmd.model.layers import LayerRange
+from swarmd.model.sampling import SamplingParams
+from swarmd.pipeline import wire
+from swarmd.pipeline.chain import Hop
+from swarmd.pipeline.ring import Ring, RingTimeouts
+from swarmd.pipeline.route import Route, plan_route, replan
+from swarmd.pipeline.stage_service import StageService
+
+log = logging.getLogger("swarmd.requests")
+
+T = TypeVar("T")
+
+
+class SwarmAccess(Protocol):
+    """What a distributed chain needs from its node."""
+
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def stage_service(self) -> StageService: ...
+
+    async def holders(self, model_id: str) -> list[NodeRecord]: ...
+
+    def rtt_ms(self) -> dict[str, float]: ...
+
+    def banned(self) -> set[str]: ...
+
+    def listen_addrs(self) -> list[str]: ...
+
+    async def ban(self, peer_id: str, reason: str) -> None: ...
+
+    async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    model_id: str
+    num_layers: int
+    vocab_size: int
+    chunk_tokens: int  # replayed history goes in chunks of this many tokens
+    max_failovers: int
+    timeouts: RingTimeouts
+
+
+async def plan(access: SwarmAccess, settings: ChainSettings, need_tokens: int) -> Route:
+    """The best route for a new request, from the DHT's holders (NoRouteError if none)."""
+    records = await access.holders(settings.model_id)
+    return plan_route(
+        settings.model_id,
+        settings.num_layers,
+        access.peer_id,
+        records,
+        rtt_ms=access.rtt_ms(),
+        banned=access.banned(),
+        need_tokens=need_tokens,
+    )
+
+
+def _hops(route: Route) -> list[Hop]:
+    return [Hop(s.peer_id[-8:], LayerRange(s.start, s.end)) for s in route.stages]
+
+
+class DistributedChain:
+    def __init__(
+        self, access: SwarmAccess, settings: ChainSettings, route: Route, need_tokens: int
+    ) -> None:
+        self._access = access
+        self._settings = settings
+        self.route = route
+        self.hops = _hops(route)
+        self.failovers = 0
+        self._need_tokens = need_tokens
+        self._ring: Ring | None = None
+        self._session_id = ""
+        self._max_length = 0
+        self._sampling: SamplingParams | None = None
+        self._fed: list[int] = []  # every token id the ring has taken, in order
+        self._reply: list[int] = []  # tokens sampled so far
+        self._excluded: set[str] = set()  # refused this request (not banned)
+        self._stage_s: list[float] = [0.0] * len(route.stages)
+        self._activation_bytes = 0
+        self._attempt = 0
+
+    @property
+    def is_local(self) -> bool:
+        return False
+
+    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None:
+        self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
+        await self._with_failover(None, False)
+
+    async def step(self, token_ids: list[int], want_token: bool) -> int | None:
+        return await self._with_failover(token_ids, want_token)
+
+    async def close(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            await self._access.in_trio(ring.close)
+
+    def stage_seconds(self) -> list[float]:
+        return list(self._stage_s)
+
+    def activation_bytes(self) -> int:
+        return self._activation_bytes
+
+    # --- the failover loop ---------------------------------------------------------------
+
+    async def _with_failover(self, token_ids: list[int] | None, want: bool) -> int | None:
+        while True:
+            try:
+                if self._ring is None:
+                    await self._build_ring()
+                if token_ids is None:
+                    return None
+                token = await self._step(token_ids, want)
+                self._fed.extend(token_ids)
+                if token is not None:
+                    self._reply.append(token)
+                return token
+            except StageFailedError as exc:
+                await self._fail_over(exc)
+
+    async def _step(self, token_ids: list[int], want: bool) -> int | None:
+        ring = self._ring
+        if ring is None:
+            raise InternalError("no ring")
+        reply = await self._access.in_trio(ring.step, token_ids, want)
+        for i, stage_ms in enumerate(reply.stage_ms[: len(self._stage_s)]):
+            self._stage_s[i] += stage_ms / 1000.0
+        self._activation_bytes += reply.activation_bytes
+        return reply.token
+
+    async def _build_ring(self) -> None:
+        """Open a ring on the current route and replay what the last one had been fed."""
+        if self._sampling is None:
+            raise InternalError("open() first")
+        self._attempt += 1
+        route = self.route
+        records = {r.peer_id: r for r in await self._access.holders(self._settings.model_id)}
+        addrs = {p: records[p].addrs for p in route.peers if p in records}
+        addrs[self._access.peer_id] = tuple(self._access.listen_addrs())
+        request = wire.OpenRequest(
+            sid=f"{self._session_id}.{self._attempt}",
+            hop=0,
+            route=tuple(wire.RouteHop(s.peer_id, s.start, s.end) for s in route.stages),
+            addrs={p: _dialable(p, v) for p, v in addrs.items()},
+            coordinator=self._access.peer_id,
+            model_id=self._settings.model_id,
+            max_length=self._max_length,
+            sampling=self._sampling,
+            history=tuple(self._reply),
+        )
+        ring = Ring(
+            self._access.stage_service, request, self._settings.timeouts, self._settings.vocab_size
+        )
+        self._ring = ring
+        await self._access.in_trio(ring.open)
+        chunk = self._settings.chunk_tokens
+        for start in range(0, len(self._fed), chunk):
+            await self._step(self._fed[start : start + chunk], False)
+
+    async def _fail_over(self, exc: StageFailedError) -> None:
+        await self.close()
+        self.failovers += 1
+        peer = exc.peer_id
+        log.warning(
+            "DIAG: stage failed request_id=%s peer=%s kind=%s failover=%d: %s",
+            self._session_id,
+            peer[-8:] if peer else "?",
+            exc.kind,
+            self.failovers,
+            exc,
+        )
+        if self.failovers > self._settings.max_failovers:
+            raise RouteFailedError(
+                f"The route failed {self.failovers} times (limit {self._settings.max_failovers});"
+                f" last: {exc}"
+            ) from exc
+        if peer is not None and peer != self._access.peer_id:
+            if exc.kind == "refused":
+                self._excluded.add(peer)
+            else:
+                await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
+        records = await self._access.holders(self._settings.model_id)
+        banned = self._access.banned() | self._excluded
+        old = self.route
+        if peer is not None and peer in old.peers:
+            self.route = replan(
+                old,
+                peer,
+                records,
+                rtt_ms=self._access.rtt_ms(),
+                banned=banned,
+                need_tokens=self._need_tokens,
+            )
+        else:  # nobody to blame: try a fresh route (maybe the same peers)
+            self.route = plan_route(
+                old.model_id,
+                old.num_layers,
+                self._access.peer_id,
+                records,
+                rtt_ms=self._access.rtt_ms(),
+                banned=banned,
+                need_tokens=self._need_tokens,
+            )
+        self.hops = _hops(self.route)
+        self._stage_s = _carry_over(old, self.route, self._stage_s)
+
+
+def _dialable(peer_id: str, addrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    ok = [a for a in addrs if a.endswith(f"/p2p/{peer_id}") and len(a) <= wire.MAX_ADDR_CHARS]
+    return tuple(ok[: wire.MAX_ADDRS_PER_PEER])
+
+
+def _carry_over(old: Route, new: Route, seconds: list[float]) -> list[float]:
+    """Per-stage seconds kept for the stages the new route still has (same peer, range)."""
+    kept = {(s.peer_id, s.start, s.end): t for s, t in zip(old.stages, seconds, strict=False)}
+    return [kept.get((s.peer_id, s.start, s.end), 0.0) for s in new.stages]

@@ -1,0 +1,362 @@
+"""`StageService`: this node's end of the stage protocol (trio side of the bridge).
+
+It serves `/swarmd/stage/1`. A stream that starts with `open` is one session of one
+route through this node: the service opens a KV cache for it, dials the next stage (or,
+on the last stage, the coordinator), forwards the `open`, and then, per step, checks the
+input, runs its layers on the torch worker and sends the result on. A stream that starts
+with `ret` is a last stage's answer stream for a ring this node coordinates; it is handed
+to that ring (`expect_return`).
+
+A session ends on `end`, when its upstream is idle past `idle_timeout_s`, when either
+neighbour goes away, or on a failure; in every case its cache is freed (a must-run job on
+the worker) and the next stage's stream is closed, so the whole ring unwinds. Failures are
+reported towards the coordinator in both directions (see `wire`), and a peer that sent
+garbage is banned.
+
+`dial` also gives the coordinator its links: a peer's stream, or, for this node itself,
+an in-memory `LoopLink` to this same service, so a route through the coordinator's own
+layers runs the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
+
+import torch
+import trio
+
+from swarmd.errors import (
+    InternalError,
+    MalformedFrameError,
+    OverloadedError,
+    PeerError,
+    RecvTimeoutError,
+    StageRefusedError,
+    StreamClosedError,
+    SwarmError,
+)
+from swarmd.model.runtime import StageRuntime
+from swarmd.net.host import P2PHost
+from swarmd.pipeline import wire
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Compute = Callable[[Callable[[], Any], float, bool], Awaitable[Any]]
+"""`await compute(fn, timeout_s, must_run)`: run fn on the torch worker (from trio)."""
+
+Ban = Callable[[str, str], Awaitable[None]]
+
+REPORT_TIMEOUT_S = 1.0  # a failure report is best effort: never wait long to send it
+
+
+class Link(Protocol):
+    """A frame stream to one peer: `FrameStream`, or a `LoopLink` to this node."""
+
+    peer_id: str
+
+    async def send(self, obj: dict[str, Any], timeout_s: float | None = None) -> None: ...
+
+    async def recv(self, timeout_s: float) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+    async def reset(self) -> None: ...
+
+
+class LoopLink:
+    """One end of an in-memory link between two parts of this node (same frames)."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        tx: trio.MemorySendChannel[dict[str, Any]],
+        rx: trio.MemoryReceiveChannel[dict[str, Any]],
+    ) -> None:
+        self.peer_id = peer_id
+        self._tx, self._rx = tx, rx
+
+    @classmethod
+    def pair(cls, peer_id: str) -> tuple[LoopLink, LoopLink]:
+        a_tx, b_rx = trio.open_memory_channel[dict[str, Any]](math.inf)
+        b_tx, a_rx = trio.open_memory_channel[dict[str, Any]](math.inf)
+        return cls(peer_id, a_tx, a_rx), cls(peer_id, b_tx, b_rx)
+
+    async def send(self, obj: dict[str, Any], timeout_s: float | None = None) -> None:
+        try:
+            self._tx.send_nowait(obj)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosedError("local link closed", self.peer_id) from exc
+
+    async def recv(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            with trio.fail_after(timeout_s):
+                return await self._rx.receive()
+        except trio.TooSlowError:
+            raise RecvTimeoutError(f"no frame in {timeout_s:g} s", self.peer_id) from None
+        except (trio.EndOfChannel, trio.ClosedResourceError) as exc:
+            raise StreamClosedError("local link closed", self.peer_id) from exc
+
+    async def close(self) -> None:
+        await self._tx.aclose()
+        await self._rx.aclose()
+
+    async def reset(self) -> None:
+        await self.close()
+
+
+@dataclass(frozen=True)
+class StageTimeouts:
+    open_s: float = 10.0  # the first frame of a stream; dialing the next stage
+    idle_s: float = 120.0  # a session with no frame from upstream this long is freed
+    step_s: float = 60.0  # one model step on the worker
+
+
+@dataclass
+class PendingReturn:
+    """A ring waiting for its last stage's answer stream."""
+
+    peer_id: str  # the only peer allowed to send it
+    arrived: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)  # the ring no longer needs it
+    link: Link | None = None
+
+
+class StageService:
+    def __init__(
+        self,
+        host: P2PHost,
+        runtime: StageRuntime,
+        limits: wire.StageLimits,
+        dtype: torch.dtype,
+        compute: Compute,
+        ban: Ban,
+        timeouts: StageTimeouts,
+    ) -> None:
+        self.host = host
+        self.runtime = runtime
+        self.limits = limits
+        self.timeouts = timeouts
+        self._dtype = dtype
+        self._compute = compute
+        self._ban = ban
+        self._pending: dict[str, PendingReturn] = {}
+        self._nursery: trio.Nursery | None = None
+        host.set_handler(wire.STAGE_PROTOCOL, self._serve)
+
+    @property
+    def peer_id(self) -> str:
+        return self.host.peer_id
+
+    async def run(self) -> None:
+        """Own the tasks of local links and rings; runs until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await trio.sleep_forever()
+
+    def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        if self._nursery is None:
+            raise InternalError("the stage service is not running")
+        self._nursery.start_soon(fn, *args)
+
+    # --- links ---------------------------------------------------------------------------
+
+    async def dial(self, peer_id: str, addrs: tuple[str, ...] = ()) -> Link:
+        """A link to a peer's stage service (this node: an in-memory one)."""
+        if peer_id == self.peer_id:
+            mine, theirs = LoopLink.pair(peer_id)
+            self.spawn(self._serve_local, theirs)
+            return mine
+        if peer_id not in self.host.connected_peers():
+            for addr in addrs:
+                try:
+                    await self.host.connect(addr, self.timeouts.open_s)
+                    break
+                except PeerError as exc:
+                    log.debug("dial %s via %s failed: %s", peer_id[-8:], addr, exc)
+        return await self.host.open_stream(peer_id, wire.STAGE_PROTOCOL, self.timeouts.open_s)
+
+    def expect_return(self, sid: str, last_peer_id: str) -> PendingReturn:
+        pending = PendingReturn(last_peer_id)
+        self._pending[sid] = pending
+        return pending
+
+    def forget_return(self, sid: str) -> None:
+        pending = self._pending.pop(sid, None)
+        if pending is not None:
+            pending.done.set()
+
+    async def _serve_local(self, link: LoopLink) -> None:
+        try:
+            await self._serve(link)
+        except SwarmError as exc:
+            log.debug("local stage session ended: %s", exc)
+        finally:
+            await link.close()
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def _serve(self, up: Link) -> None:
+        first = await up.recv(self.timeouts.open_s)
+        kind = wire.frame_type(first)
+        if kind == "ret":
+            await self._attach_return(up, wire.parse_ret(first))
+        elif kind == "open":
+            await self._serve_session(up, first)
+        else:
+            raise MalformedFrameError(f"a stage stream starts with open or ret, not {kind}")
+
+    async def _attach_return(self, link: Link, sid: str) -> None:
+        pending = self._pending.get(sid)
+        if pending is None or pending.link is not None or pending.peer_id != link.peer_id:
+            log.debug("return stream for unknown ring %s from %s", sid, link.peer_id[-8:])
+            return  # a ring that gave up already, or not this peer's: close it
+        pending.link = link
+        pending.arrived.set()
+        await pending.done.wait()  # the stream stays open while the ring reads it
+
+    async def _serve_session(self, up: Link, first: dict[str, Any]) -> None:
+        try:
+            req = wire.parse_open(first, self.limits)
+        except StageRefusedError as exc:
+            await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
+            return
+        except MalformedFrameError as exc:
+            await self._bad_upstream(up, None, exc)
+            return
+        sid = req.sid
+        try:
+            await self._compute(
+                lambda: self.runtime.open(
+                    sid,
+                    req.max_length,
+                    req.sampling if req.is_last else None,
+                    list(req.history),
+                    req.me.layers,
+                ),
+                self.timeouts.step_s,
+                False,
+            )
+        except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
+            await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
+            return
+        try:
+            await self._run_session(up, req)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._compute(lambda: self.runtime.close(sid), self.timeouts.step_s, True)
+
+    async def _run_session(self, up: Link, req: wire.OpenRequest) -> None:
+        nxt = req.next_peer
+        try:
+            down = await self.dial(nxt, req.addrs.get(nxt, ()))
+        except PeerError as exc:
+            await _report(up, wire.fail_frame(nxt, f"cannot reach {nxt[-8:]}: {exc}", "lost"))
+            return
+        try:
+            hello = (
+                wire.ret_frame(req.sid)
+                if req.is_last
+                else wire.open_frame(replace(req, hop=req.hop + 1))
+            )
+            await down.send(hello)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_downstream, up, down, nursery.cancel_scope)
+                await self._forward(up, down, req)
+                nursery.cancel_scope.cancel()
+        except PeerError as exc:  # the next stage is gone
+            await _report(up, wire.fail_frame(nxt, f"stage {nxt[-8:]} lost: {exc}", "lost"))
+        finally:
+            await down.close()
+
+    async def _forward(self, up: Link, down: Link, req: wire.OpenRequest) -> None:
+        """Steps from upstream, through this stage, on downstream; until the session ends."""
+        n = 0
+        while True:
+            try:
+                frame = await up.recv(self.timeouts.idle_s)
+            except RecvTimeoutError:
+                log.info("stage session %s idle for %g s: freed", req.sid, self.timeouts.idle_s)
+                await _report(down, wire.END_FRAME)
+                return
+            except StreamClosedError as exc:  # gone without `end`
+                why = f"stage {up.peer_id[-8:]} lost: {exc}"
+                await _report(down, wire.fail_frame(up.peer_id, why, "lost"))
+                return
+            try:
+                kind = wire.frame_type(frame)
+                if kind == "end":
+                    await _report(down, wire.END_FRAME)
+                    return
+                if kind == "fail" and req.hop > 0:  # an upstream failure: pass it on
+                    await _report(down, wire.fail_frame(**_fail_args(wire.parse_fail(frame))))
+                    return
+                if kind != "step":
+                    raise MalformedFrameError(f"a {kind} frame inside a session")
+                step = wire.parse_step(frame, n, req.hop == 0, self.limits, self._dtype)
+            except MalformedFrameError as exc:
+                await self._bad_upstream(up, down, exc)
+                return
+            try:
+                result = await self._compute(
+                    lambda s=step: self.runtime.step(req.sid, s.inputs, s.want),
+                    self.timeouts.step_s,
+                    False,
+                )
+            except SwarmError as exc:  # this stage's own failure (timeout, context, bug)
+                failed = wire.fail_frame(self.peer_id, f"step failed: {exc}", "lost")
+                await _report(up, failed)
+                await _report(down, failed)
+                return
+            stage_ms = [*step.stage_ms, result.compute_s * 1000.0]
+            if req.is_last:
+                out = wire.token_frame(n, result.token, stage_ms, step.activation_bytes)
+            else:
+                out = wire.step_frame(n, step.want, result.hidden, stage_ms, step.activation_bytes)
+            await down.send(out)
+            n += 1
+
+    async def _watch_downstream(self, up: Link, down: Link, scope: trio.CancelScope) -> None:
+        """Failure reports from downstream go upstream; so does the loss of the next stage."""
+        try:
+            frame = await down.recv(math.inf)
+            if wire.frame_type(frame) != "fail":
+                raise MalformedFrameError("only fail frames travel upstream")
+            await _report(up, wire.fail_frame(**_fail_args(wire.parse_fail(frame))))
+        except MalformedFrameError as exc:
+            why = f"bad frame from stage {down.peer_id[-8:]}: {exc}"
+            await _report(up, wire.fail_frame(down.peer_id, why, "bad"))
+            await self._ban_peer(down.peer_id, why)
+        except PeerError as exc:
+            why = f"stage {down.peer_id[-8:]} lost: {exc}"
+            await _report(up, wire.fail_frame(down.peer_id, why, "lost"))
+        scope.cancel()
+
+    async def _bad_upstream(self, up: Link, down: Link | None, exc: MalformedFrameError) -> None:
+        why = f"bad frame from {up.peer_id[-8:]}: {exc}"
+        log.warning("DIAG: stage rejected a frame peer=%s: %s", up.peer_id[-8:], exc)
+        if down is not None:
+            await _report(down, wire.fail_frame(up.peer_id, why, "bad"))
+        await self._ban_peer(up.peer_id, why)
+
+    async def _ban_peer(self, peer_id: str, why: str) -> None:
+        if peer_id != self.peer_id:
+            await self._ban(peer_id, why)
+
+
+def _fail_args(fail: wire.Fail) -> dict[str, str]:
+    return {"peer_id": fail.peer_id, "why": fail.why, "kind": fail.kind}
+
+
+async def _report(link: Link, frame: dict[str, Any]) -> None:
+    """Send a frame that is only a courtesy (end, failure report); never fail for it."""
+    try:
+        with trio.move_on_after(REPORT_TIMEOUT_S):
+            await link.send(frame, timeout_s=REPORT_TIMEOUT_S)
+    except SwarmError as exc:
+        log.debug("report to %s not sent: %s", link.peer_id[-8:], exc)
