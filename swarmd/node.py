@@ -144,6 +144,10 @@ class Node:
         if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
             return cached[1]
         records = await self.bridge.run(self.swarm.holders, model_id)
+        own = self.swarm.last_record
+        if own is not None and own.model_id == model_id:
+            # A lookup may miss this node's own record; routes must still see its layers.
+            records = [r for r in records if r.peer_id != own.peer_id] + [own]
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 

@@ -164,6 +164,9 @@ async def _model_entry(node: Node) -> dict[str, Any]:
     # This node serves its range even when the DHT is slow to answer.
     holders.setdefault(node.identity.peer_id, [model.layers.start, model.layers.end])
     coverage = merge_ranges([(a, b) for a, b in holders.values()])
+    # Routable: the holders this node would use (banned peers left out) cover every layer.
+    banned = node.banned()
+    usable = merge_ranges([(a, b) for p, (a, b) in holders.items() if p not in banned])
     return {
         "id": model.model_id,
         "object": "model",
@@ -178,7 +181,6 @@ async def _model_entry(node: Node) -> dict[str, Any]:
             "coverage": coverage,
             "num_layers": model.num_layers,
             "complete": coverage == [[0, model.num_layers]],
-            # Until distributed generation lands, only a node holding every layer routes.
-            "routable": model.is_whole,
+            "routable": model.is_whole or usable == [[0, model.num_layers]],
         },
     }

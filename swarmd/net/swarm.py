@@ -120,6 +120,11 @@ class SwarmPresence:
             self._fail(InternalError(f"the swarm layer failed: {exc!r}"))
 
     @property
+    def last_record(self) -> NodeRecord | None:
+        """The record this node announced last (its own layers, as others see them)."""
+        return self._last_record
+
+    @property
     def failure(self) -> SwarmError | None:
         return self._failure
 

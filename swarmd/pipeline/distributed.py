@@ -203,7 +203,9 @@ class DistributedChain:
                 f"The route failed {self.failovers} times (limit {self._settings.max_failovers});"
                 f" last: {exc}"
             ) from exc
-        if peer is not None and peer != self._access.peer_id:
+        if peer == self._access.peer_id:
+            peer = None  # a link to this node failed: the route is retried, nobody banned
+        if peer is not None:
             if exc.kind == "refused":
                 self._excluded.add(peer)
             else:

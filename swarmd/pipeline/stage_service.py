@@ -30,6 +30,7 @@ import torch
 import trio
 
 from swarmd.errors import (
+    DialError,
     InternalError,
     MalformedFrameError,
     OverloadedError,
@@ -173,13 +174,25 @@ class StageService:
             self.spawn(self._serve_local, theirs)
             return mine
         if peer_id not in self.host.connected_peers():
-            for addr in addrs:
-                try:
-                    await self.host.connect(addr, self.timeouts.open_s)
-                    break
-                except PeerError as exc:
-                    log.debug("dial %s via %s failed: %s", peer_id[-8:], addr, exc)
+            await self._connect(peer_id, addrs)
+        try:
+            return await self.host.open_stream(peer_id, wire.STAGE_PROTOCOL, self.timeouts.open_s)
+        except DialError:
+            if not addrs:
+                raise
+        # libp2p can keep listing a connection that has died ("no valid connections"):
+        # drop it and dial the addresses the route gave.
+        await self.host.disconnect(peer_id)
+        await self._connect(peer_id, addrs)
         return await self.host.open_stream(peer_id, wire.STAGE_PROTOCOL, self.timeouts.open_s)
+
+    async def _connect(self, peer_id: str, addrs: tuple[str, ...]) -> None:
+        for addr in addrs:
+            try:
+                await self.host.connect(addr, self.timeouts.open_s)
+                return
+            except PeerError as exc:
+                log.debug("dial %s via %s failed: %s", peer_id[-8:], addr, exc)
 
     def expect_return(self, sid: str, last_peer_id: str) -> PendingReturn:
         pending = PendingReturn(last_peer_id)

@@ -357,14 +357,14 @@ def _str(value: Any, name: str, max_chars: int) -> str:
 
 def _sid(value: Any) -> str:
     sid = _str(value, "sid", MAX_SID_CHARS)
-    if not sid or not all(c.isalnum() or c in "-_." for c in sid):
+    if not sid or not all((c.isascii() and c.isalnum()) or c in "-_." for c in sid):
         raise MalformedFrameError("'sid' must be 1+ characters of [A-Za-z0-9-_.]")
     return sid
 
 
 def _peer_id(value: Any, name: str) -> str:
     peer = _str(value, name, MAX_PEER_ID_CHARS)
-    if not peer or not peer.isalnum():
+    if not peer or not (peer.isascii() and peer.isalnum()):
         raise MalformedFrameError(f"'{name}' is not a peer id")
     return peer
 
@@ -437,7 +437,8 @@ def _sampling(value: Any, vocab_size: int) -> SamplingParams:
     }
     if not isinstance(value, dict):
         raise MalformedFrameError("'sampling' is not a map")
-    _exact_keys({"t": "sampling", **value}, {"t"} | keys)
+    if set(value) != keys:
+        raise MalformedFrameError(f"sampling with wrong fields: {sorted(set(value) ^ keys)[:5]}")
     bias_items = value["logit_bias"]
     if not isinstance(bias_items, list) or len(bias_items) > MAX_LOGIT_BIAS:
         raise MalformedFrameError(f"'logit_bias' is a list of at most {MAX_LOGIT_BIAS} pairs")

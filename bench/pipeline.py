@@ -1,0 +1,707 @@
+"""Pipeline benchmark: per-token decode time of one model split over 1, 2 and 3 nodes.
+
+The embedded model (SmolLM2-135M, 30 layers) is served three ways, one after the other,
+every node a `swarmd run` subprocess on 127.0.0.1 with `--torch-threads 1`:
+
+1. one node holding layers [0:30] (route `local`, no network);
+2. two nodes, [0:15] and [15:30];
+3. three nodes, [0:10], [10:20] and [20:30].
+
+The first node starts a new swarm, the others join with `--bootstrap` its multiaddr; each
+node is ready once it prints `swarmd: serving ...`, and the swarm once the first node's
+`GET /v1/models` says `swarm.routable` or `swarm.complete`. Requests go to the first node
+(the stage-0 holder, which coordinates): greedy (`temperature: 0`), non-streamed chat
+completions with `--max-tokens` tokens. A warm-up request, then `--runs` timed pairs:
+
+- a prefill probe, the same prompt with `max_tokens: 1`: its `swarm.segments[i].ms` are
+  the stages' compute for the prefill alone;
+- the full request: `swarm.timing.decode_ms` over `usage.completion_tokens` = T.
+
+Per run (every figure in ms, the medians over the runs are reported):
+
+    ms/token           = decode_ms / (T - 1)
+    compute/token      = (sum(segments.ms) - sum(probe segments.ms)) / (T - 1)
+    overhead/token     = ms/token - compute/token
+
+`segments.ms` totals each stage's forward passes over the whole request, prefill
+included, and the T - 1 decode steps are what `decode_ms` times; subtracting the probe's
+prefill compute leaves the decode steps' compute. overhead/token is therefore everything
+in a decode step that is not a forward pass: the coordinator's step, sampling, the worker
+hand-off and, with more than one node, the activations' and the token's trips over
+libp2p. (The simpler `ms/token - sum(segments.ms) / T` spreads the prefill over the
+tokens; it is printed too, as `naive`.) The figure of the result:
+
+    hop_overhead_ms = (overhead/token(three) - overhead/token(one)) / 2
+
+the non-compute time each added node (hop) adds to a token. For reference the script also
+prints `(three_ms - one_ms) / 2`, the raw difference per added node, and the figure per
+network transfer: the route is a ring (stage 0 -> ... -> last stage -> back to the
+coordinator), so a token crosses N links on N >= 2 nodes and none on one node, and
+`(overhead(three) - overhead(one)) / 3` is the cost of one transfer.
+
+Only one stage computes at a time (one request, one token in flight), so the nodes take
+turns rather than compete, but every node's event loops (asyncio, trio, libp2p) wake on
+each token. The script measures, from /proc, the CPU the nodes and other processes use
+during each timed request and says so when they need more cores than the machine has.
+The last line is
+
+    RESULT one_ms=<ms> two_ms=<ms> three_ms=<ms> hop_overhead_ms=<ms>
+
+Usage: .venv/bin/python bench/pipeline.py [--cache-dir DIR] [--runs N] [--max-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import platformdirs
+
+NUM_LAYERS = 30
+CONFIGS: dict[str, list[tuple[int, int]]] = {
+    "one": [(0, 30)],
+    "two": [(0, 15), (15, 30)],
+    "three": [(0, 10), (10, 20), (20, 30)],
+}
+# Greedy SmolLM2-135M-Instruct writes well past 128 tokens of plain prose for this prompt
+# without an end-of-sequence token (the same prompt as bench/single_node.py).
+PROMPT = "Write a long story about a dragon who learns to bake bread. Make it at least 500 words."
+MESSAGES = [{"role": "user", "content": PROMPT}]
+STOP_TIMEOUT_S = 20.0
+READY_PREFIX = "swarmd: serving "
+P2P_PREFIX = "swarmd: p2p listening on "
+
+
+class BenchError(Exception):
+    pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path(platformdirs.user_cache_dir("swarmd")),
+        help="swarmd's converted-models cache (default: the user cache, as swarmd uses)",
+    )
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per setup (median)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per reply")
+    parser.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="node i listens on BASE+2i (API) and BASE+2i+1 (p2p); 0 = free ports",
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=180.0, help="seconds for a node to be ready"
+    )
+    parser.add_argument(
+        "--swarm-timeout",
+        type=float,
+        default=60.0,
+        help="seconds for the first node to see every layer (and answer the warm-up)",
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=300.0, help="seconds for one request"
+    )
+    parser.add_argument(
+        "--keep-logs", type=Path, default=None, help="copy the nodes' logs into this folder"
+    )
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.max_tokens < 2:
+        parser.error("--runs must be >= 1 and --max-tokens >= 2")
+    if args.port_base and not 1024 <= args.port_base <= 65535 - 6:
+        parser.error("--port-base must leave room for 6 ports below 65536")
+    return args
+
+
+# --- CPU use, from /proc ---------------------------------------------------------------
+
+TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy (not idle, not iowait)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    values = [int(v) for v in fields[1:9]]
+    return (sum(values) - values[3] - values[4]) / TICK
+
+
+def process_busy_s(pid: int) -> float:
+    """utime + stime of one process, all its threads, in seconds (0 when unreadable)."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(after_name[11]) + int(after_name[12])) / TICK
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    wall: float
+    machine: float | None
+    nodes: tuple[float, ...]
+    own: float
+
+
+def cpu_sample(pids: list[int]) -> CpuSample:
+    return CpuSample(
+        time.monotonic(),
+        machine_busy_s(),
+        tuple(process_busy_s(p) for p in pids),
+        process_busy_s(os.getpid()),
+    )
+
+
+@dataclass(frozen=True)
+class CpuUse:
+    """Cores used between two samples: by each node, and by everything else."""
+
+    nodes: tuple[float, ...]
+    foreign: float | None  # processes other than the nodes and this script
+
+    @property
+    def total_nodes(self) -> float:
+        return sum(self.nodes)
+
+
+def cpu_between(before: CpuSample, after: CpuSample) -> CpuUse:
+    wall = max(after.wall - before.wall, 1e-9)
+    nodes = tuple((b - a) / wall for a, b in zip(before.nodes, after.nodes, strict=True))
+    foreign = None
+    if before.machine is not None and after.machine is not None:
+        busy = (after.machine - before.machine) / wall
+        foreign = max(0.0, busy - sum(nodes) - (after.own - before.own) / wall)
+    return CpuUse(nodes, foreign)
+
+
+# --- the nodes -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NodeProcess:
+    """One `swarmd run` subprocess; `stop()` always ends it (SIGTERM, wait, SIGKILL)."""
+
+    def __init__(
+        self,
+        name: str,
+        layers: tuple[int, int],
+        ports: tuple[int, int],
+        cache_dir: Path,
+        work_dir: Path,
+        bootstrap: str | None,
+    ) -> None:
+        self.name = name
+        self.layers = layers
+        self.port, self.p2p_port = ports
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.multiaddr = ""
+        self.log_path = work_dir / f"{name}.log"
+        self._stdout_lines: list[str] = []
+        self._drain: threading.Thread | None = None
+        data_dir = work_dir / f"{name}-data"
+        data_dir.mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "swarmd",
+            "run",
+            "--port",
+            str(self.port),
+            "--p2p-port",
+            str(self.p2p_port),
+            "--layers",
+            f"{layers[0]}:{layers[1]}",
+            "--cache-dir",
+            str(cache_dir),
+            "--data-dir",
+            str(data_dir),
+            "--torch-threads",
+            "1",
+        ]
+        if bootstrap:
+            cmd += ["--bootstrap", bootstrap]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self._log: IO[bytes] = self.log_path.open("wb")
+        try:
+            self.proc: subprocess.Popen[str] = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                text=True,
+                env=env,
+            )
+        except OSError:
+            self._log.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Read stdout until the `serving` line (keeping the p2p multiaddr on the way)."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BenchError(
+                        f"node {self.name} was not serving within {timeout_s:g} s\n"
+                        + self.log_tail()
+                    )
+                if not selector.select(left):
+                    continue
+                line = self.proc.stdout.readline()  # the node prints whole lines, flushed
+                if not line:
+                    raise BenchError(
+                        f"node {self.name} exited (rc {self.proc.wait()}) before serving\n"
+                        + self.log_tail()
+                    )
+                self._stdout_lines.append(line.rstrip("\n"))
+                if line.startswith(P2P_PREFIX):
+                    addr = line[len(P2P_PREFIX) :].strip()
+                    if not self.multiaddr or addr.startswith("/ip4/127.0.0.1/"):
+                        self.multiaddr = addr
+                elif line.startswith(READY_PREFIX):
+                    break
+        if not self.multiaddr:
+            raise BenchError(f"node {self.name} printed no p2p multiaddr")
+        # Keep reading stdout so that the node never blocks on a full pipe.
+        self._drain = threading.Thread(target=self._drain_stdout, daemon=True)
+        self._drain.start()
+
+    def _drain_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            for line in self.proc.stdout:
+                self._stdout_lines.append(line.rstrip("\n"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        text = ""
+        with contextlib.suppress(OSError):
+            self._log.flush()
+            text = self.log_path.read_text(errors="replace")
+        out = [f"--- node {self.name} stdout ---", *self._stdout_lines[-lines:]]
+        out += [f"--- node {self.name} stderr (last {lines} lines) ---"]
+        out += text.splitlines()[-lines:]
+        return "\n".join(out)
+
+    def grep_log(self, needle: str) -> list[str]:
+        with contextlib.suppress(OSError):
+            return [
+                line
+                for line in self.log_path.read_text(errors="replace").splitlines()
+                if needle in line
+            ]
+        return []
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                print(f"  warning: node {self.name} ignored SIGTERM; killing it", flush=True)
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        if self._drain is not None:
+            self._drain.join(timeout=5)
+        if self.proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdout.close()
+        self._log.close()
+
+
+# --- HTTP ------------------------------------------------------------------------------
+
+
+def http_json(
+    url: str, body: dict[str, Any] | None, timeout_s: float
+) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, JSON body, headers); an HTTP error status is returned, not raised."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = {"raw": raw.decode(errors="replace")}
+        return exc.code, parsed, dict(exc.headers)
+
+
+def wait_routable(first: NodeProcess, nodes: list[NodeProcess], timeout_s: float) -> str:
+    """Poll the first node's /v1/models until it sees every layer; return the model id."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    last: Any = None
+    while True:
+        for node in nodes:
+            if not node.alive():
+                raise BenchError(f"node {node.name} exited (rc {node.proc.returncode})\n")
+        with contextlib.suppress(OSError, ValueError):
+            status, body, _ = http_json(first.url + "/v1/models", None, 5.0)
+            if status == 200 and body.get("data"):
+                model = body["data"][0]
+                swarm = model.get("swarm", {})
+                last = swarm.get("coverage")
+                if swarm.get("routable") or swarm.get("complete"):
+                    return str(model["id"])
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"the first node did not see every layer within {timeout_s:g} s "
+                f"(coverage {last})\n" + "\n".join(n.log_tail() for n in nodes)
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+# --- one setup -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    route: str
+    nodes: list[str]
+    tokens: int
+    finish: str | None
+    decode_ms: float
+    ttft_ms: float
+    segments_ms: list[float]
+    request_id: str
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(self.segments_ms)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    reply: Reply
+    prefill_compute_ms: float  # sum of the probe's segments.ms
+    cpu: CpuUse
+    wall_s: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.reply.decode_ms / (self.reply.tokens - 1)
+
+    @property
+    def compute_per_token(self) -> float:
+        return (self.reply.compute_ms - self.prefill_compute_ms) / (self.reply.tokens - 1)
+
+    @property
+    def overhead_per_token(self) -> float:
+        return self.ms_per_token - self.compute_per_token
+
+    @property
+    def naive_overhead_per_token(self) -> float:
+        return self.ms_per_token - self.reply.compute_ms / self.reply.tokens
+
+
+@dataclass
+class SetupResult:
+    name: str
+    layers: list[tuple[int, int]]
+    runs: list[RunResult] = field(default_factory=list)
+    ready_s: float = 0.0
+    idle_cpu: CpuUse | None = None
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in self.runs)
+
+
+def chat(
+    url: str, model_id: str, max_tokens: int, timeout_s: float, nodes: list[NodeProcess]
+) -> Reply:
+    body = {
+        "model": model_id,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": False,
+    }
+    status, reply, headers = http_json(url + "/v1/chat/completions", body, timeout_s)
+    if status != 200:
+        request_id = headers.get("x-swarm-request-id", "")
+        lines = [line for n in nodes for line in n.grep_log(request_id)] if request_id else []
+        raise BenchError(
+            f"the request answered {status}: {json.dumps(reply)[:600]}\n"
+            + "\n".join(lines or [n.log_tail() for n in nodes])
+        )
+    swarm = reply.get("swarm") or {}
+    timing = swarm.get("timing") or {}
+    segments = swarm.get("segments") or []
+    if any(s.get("ms") is None for s in segments) or timing.get("decode_ms") is None:
+        raise BenchError(f"the reply lacks timings: {json.dumps(swarm)[:600]}")
+    choice = (reply.get("choices") or [{}])[0]
+    return Reply(
+        route=str(swarm.get("route")),
+        nodes=list(swarm.get("nodes") or []),
+        tokens=int(reply["usage"]["completion_tokens"]),
+        finish=choice.get("finish_reason"),
+        decode_ms=float(timing["decode_ms"]),
+        ttft_ms=float(timing.get("ttft_ms") or 0.0),
+        segments_ms=[float(s["ms"]) for s in segments],
+        request_id=headers.get("x-swarm-request-id", ""),
+    )
+
+
+def check_route(reply: Reply, layers: list[tuple[int, int]]) -> None:
+    want = "local" if len(layers) == 1 else "distributed"
+    if reply.route != want or len(reply.segments_ms) != len(layers):
+        raise BenchError(
+            f"expected a {want} route over {len(layers)} segments, got route={reply.route} "
+            f"with {len(reply.segments_ms)} segments (nodes {reply.nodes})"
+        )
+
+
+def warm_up(
+    url: str, model_id: str, args: argparse.Namespace, nodes: list[NodeProcess], deadline: float
+) -> Reply:
+    """The first request; retried while the route is not ready yet (503) until `deadline`."""
+    while True:
+        try:
+            return chat(url, model_id, args.max_tokens, args.request_timeout, nodes)
+        except BenchError as exc:
+            if " answered 503" not in str(exc) or time.monotonic() > deadline:
+                raise
+            print(f"  warm-up answered 503, retrying: {str(exc).splitlines()[0][:200]}")
+            time.sleep(0.5)
+
+
+def run_setup(
+    name: str, layers: list[tuple[int, int]], args: argparse.Namespace, ports: list[int]
+) -> SetupResult:
+    result = SetupResult(name, layers)
+    spec = " ".join(f"[{a}:{b}]" for a, b in layers)
+    print(f"\n{name}: {len(layers)} node(s) {spec}", flush=True)
+    nodes: list[NodeProcess] = []
+    with tempfile.TemporaryDirectory(prefix=f"swarmd-pipeline-{name}-") as tmp:
+        try:
+            started = time.monotonic()
+            for i, rng in enumerate(layers):
+                bootstrap = nodes[0].multiaddr if nodes else None
+                node = NodeProcess(
+                    f"{name}{i}",
+                    rng,
+                    (ports[2 * i], ports[2 * i + 1]),
+                    args.cache_dir,
+                    Path(tmp),
+                    bootstrap,
+                )
+                nodes.append(node)
+                node.wait_serving(args.startup_timeout)
+                print(
+                    f"  node {node.name} pid {node.pid} layers {rng[0]}:{rng[1]} serving at "
+                    f"{node.url} after {time.monotonic() - started:.1f} s",
+                    flush=True,
+                )
+            first = nodes[0]
+            model_id = wait_routable(first, nodes, args.swarm_timeout)
+            warm = warm_up(first.url, model_id, args, nodes, time.monotonic() + args.swarm_timeout)
+            check_route(warm, layers)
+            result.ready_s = time.monotonic() - started
+            print(
+                f"  swarm ready after {result.ready_s:.1f} s; warm-up: route {warm.route} "
+                f"via {','.join(warm.nodes)}, {warm.tokens} tokens, "
+                f"{warm.decode_ms / max(warm.tokens - 1, 1):.2f} ms/token",
+                flush=True,
+            )
+            if warm.tokens < args.max_tokens:
+                print(f"  note: the reply stopped at {warm.tokens} tokens ({warm.finish})")
+            pids = [n.pid for n in nodes]
+            before = cpu_sample(pids)
+            time.sleep(1.0)  # one second with no request: what the idle nodes use
+            result.idle_cpu = cpu_between(before, cpu_sample(pids))
+            for i in range(args.runs):
+                probe = chat(first.url, model_id, 1, args.request_timeout, nodes)
+                check_route(probe, layers)
+                before = cpu_sample(pids)
+                reply = chat(first.url, model_id, args.max_tokens, args.request_timeout, nodes)
+                after = cpu_sample(pids)
+                check_route(reply, layers)
+                if reply.tokens < 2:
+                    raise BenchError(f"only {reply.tokens} token(s) came back")
+                run = RunResult(
+                    reply, probe.compute_ms, cpu_between(before, after), after.wall - before.wall
+                )
+                result.runs.append(run)
+                print(f"  run {i + 1}: {describe(run)}", flush=True)
+        except BaseException:
+            for node in nodes:
+                if not node.alive():
+                    print(f"  node {node.name} exited with rc {node.proc.returncode}")
+            raise
+        finally:
+            for node in nodes:
+                node.stop()
+            if args.keep_logs is not None:
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for node in nodes:
+                    with contextlib.suppress(OSError):
+                        shutil.copy(node.log_path, args.keep_logs / node.log_path.name)
+    return result
+
+
+def describe(run: RunResult) -> str:
+    r = run.reply
+    cpu = "/".join(f"{c:.2f}" for c in run.cpu.nodes)
+    foreign = "" if run.cpu.foreign is None else f", other processes {run.cpu.foreign:.2f}"
+    return (
+        f"{r.tokens} tokens, {run.ms_per_token:.2f} ms/token = compute "
+        f"{run.compute_per_token:.2f} + overhead {run.overhead_per_token:.2f} "
+        f"(naive {run.naive_overhead_per_token:.2f}); segments "
+        f"{'/'.join(f'{s:.0f}' for s in r.segments_ms)} ms, prefill compute "
+        f"{run.prefill_compute_ms:.1f} ms; cores: nodes {cpu}{foreign}"
+    )
+
+
+# --- report ----------------------------------------------------------------------------
+
+
+def contention_notes(results: list[SetupResult]) -> list[str]:
+    cores = os.cpu_count() or 1
+    notes = []
+    for res in results:
+        demand = max(r.cpu.total_nodes + (r.cpu.foreign or 0.0) for r in res.runs)
+        busy_nodes = max(sum(c > 0.5 for c in r.cpu.nodes) for r in res.runs)
+        idle = res.idle_cpu.total_nodes if res.idle_cpu else float("nan")
+        line = (
+            f"  {res.name}: {len(res.layers)} node process(es), at most {demand:.2f} of "
+            f"{cores} cores busy during a request (nodes + others), idle nodes {idle:.2f}"
+        )
+        if demand > cores - 0.25:
+            line += "; CONTENDED: the processes fought for the cores"
+        elif len(res.layers) > cores:
+            line += (
+                f"; {len(res.layers)} processes on {cores} cores, but they took turns "
+                f"({busy_nodes} above half a core at once)"
+            )
+        notes.append(line)
+    return notes
+
+
+def report(results: list[SetupResult], args: argparse.Namespace) -> None:
+    by = {r.name: r for r in results}
+    print()
+    print(
+        f"decode, {args.max_tokens} tokens, 1 torch thread per node, medians of {args.runs} "
+        f"runs (ms per token)"
+    )
+    print(
+        f"  {'setup':<7}{'nodes':>6}{'ms/token':>10}{'compute':>9}{'overhead':>10}"
+        f"{'naive ovh':>11}{'vs one':>8}"
+    )
+    one_ms = by["one"].median("ms_per_token")
+    for res in results:
+        ms_tok = res.median("ms_per_token")
+        print(
+            f"  {res.name:<7}{len(res.layers):>6}{ms_tok:>10.2f}"
+            f"{res.median('compute_per_token'):>9.2f}{res.median('overhead_per_token'):>10.2f}"
+            f"{res.median('naive_overhead_per_token'):>11.2f}{ms_tok - one_ms:>+8.2f}"
+        )
+    ovh = {name: by[name].median("overhead_per_token") for name in CONFIGS}
+    ms_tok = {name: by[name].median("ms_per_token") for name in CONFIGS}
+    hop = (ovh["three"] - ovh["one"]) / 2
+    print()
+    print(f"hop overhead (overhead(three) - overhead(one)) / 2      = {hop:.2f} ms/token")
+    print(
+        f"  per added node from two: overhead(two) - overhead(one)  = "
+        f"{ovh['two'] - ovh['one']:.2f} ms/token"
+    )
+    print(
+        f"  raw (three_ms - one_ms) / 2                             = "
+        f"{(ms_tok['three'] - ms_tok['one']) / 2:.2f} ms/token"
+    )
+    print(
+        f"  per network transfer (ring: 3 links on three nodes, 0 on one): "
+        f"(overhead(three) - overhead(one)) / 3 = {(ovh['three'] - ovh['one']) / 3:.2f} ms"
+    )
+    print()
+    print(f"CPU ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end):")
+    for line in contention_notes(results):
+        print(line)
+    print(
+        f"RESULT one_ms={ms_tok['one']:.2f} two_ms={ms_tok['two']:.2f} "
+        f"three_ms={ms_tok['three']:.2f} hop_overhead_ms={hop:.2f}"
+    )
+
+
+def pick_ports(args: argparse.Namespace, count: int) -> list[int]:
+    if args.port_base:
+        return [args.port_base + i for i in range(count)]
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    load = os.getloadavg()
+    print(
+        f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+        f"cache {args.cache_dir}; nodes on 127.0.0.1, --torch-threads 1 each",
+        flush=True,
+    )
+    if (os.cpu_count() or 1) < 3:
+        print(
+            f"note: {os.cpu_count()} cores for up to 3 node processes plus this client; "
+            "see the CPU lines at the end",
+            flush=True,
+        )
+    results: list[SetupResult] = []
+    try:
+        for name, layers in CONFIGS.items():
+            results.append(run_setup(name, layers, args, pick_ports(args, 2 * len(layers))))
+    except BenchError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

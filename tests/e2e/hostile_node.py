@@ -1,0 +1,53 @@
+"""A swarmd node that lies: it serves its layers but corrupts the hidden state it sends.
+
+    python tests/e2e/hostile_node.py MODE run [swarmd run options]
+
+MODE: `shape` (one column short), `dtype` (labelled float64) or `nan` (every value NaN).
+It also claims a huge throughput in its DHT record, so route planning prefers it to the
+honest holders of the same layers. The fault lives here, in the tests, not in swarmd.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from typing import Any
+
+import torch
+
+from swarmd.cli import app
+from swarmd.pipeline import wire
+from swarmd.pipeline.coordinator import Coordinator
+
+MODES = ("shape", "dtype", "nan")
+
+
+def corrupt(mode: str) -> None:
+    honest = wire.step_frame
+
+    def step_frame(
+        n: int, want: bool, inputs: torch.Tensor, stage_ms: list[float], activation_bytes: int
+    ) -> dict[str, Any]:
+        frame = honest(n, want, inputs, stage_ms, activation_bytes)
+        if "h" not in frame:  # token ids: this node is not the one to lie here
+            return frame
+        tokens, width = frame["shape"]
+        if mode == "shape":
+            frame["shape"] = [tokens, width - 1]
+            frame["h"] = frame["h"][: tokens * (width - 1) * 4]
+        elif mode == "dtype":
+            frame["dt"] = "float64"
+        else:
+            frame["h"] = struct.pack("<f", float("nan")) * (tokens * width)
+        return frame
+
+    wire.step_frame = step_frame  # type: ignore[assignment]
+    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in MODES:
+        sys.exit(f"usage: hostile_node.py {'|'.join(MODES)} run [options]")
+    corrupt(sys.argv[1])
+    sys.argv = ["swarmd", *sys.argv[2:]]
+    app()

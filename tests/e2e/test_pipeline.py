@@ -1,0 +1,330 @@
+"""Distributed generation across real node processes on 127.0.0.1.
+
+The reference is always a single process running the same weights: greedy output through
+any route, with or without failovers, must equal it token for token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import NodeProcess, http_json, start_node, wait_until
+
+pytestmark = pytest.mark.e2e
+
+HOSTILE = [sys.executable, str(Path(__file__).with_name("hostile_node.py"))]
+LONG_PROMPT = "Summarise this text in one sentence. " + " ".join(
+    f"Line {i}: the harbour lights were lit at dusk and the boats came home." for i in range(25)
+)
+PROMPTS = ["What is the capital of France?", "Count from one to ten.", LONG_PROMPT]
+
+
+@dataclass
+class Swarm:
+    """Nodes by name; `stop` ends every one still running."""
+
+    tmp_path: Path
+    model_args: list[str]
+    nodes: dict[str, NodeProcess] = field(default_factory=dict)
+
+    def start(self, specs: list[tuple[str, str, list[str] | None]]) -> None:
+        """Start (name, layers, launcher) nodes: the first alone, the rest together."""
+        first, *rest = specs
+        self._start_one(*first, bootstrap=None)
+        boot = next(iter(self.nodes.values())).p2p_addrs[0]
+        with ThreadPoolExecutor(max_workers=len(rest) or 1) as pool:
+            for future in [pool.submit(self._start_one, *spec, bootstrap=boot) for spec in rest]:
+                future.result()
+
+    def _start_one(
+        self, name: str, layers: str, launcher: list[str] | None, bootstrap: str | None
+    ) -> None:
+        workdir = self.tmp_path / name
+        workdir.mkdir()
+        args = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
+        args += ["--layers", layers, *self.model_args]
+        if bootstrap is not None:
+            args += ["--bootstrap", bootstrap]
+        self.nodes[name] = start_node(args, workdir, launcher=launcher)
+
+    def __getitem__(self, name: str) -> NodeProcess:
+        return self.nodes[name]
+
+    def short_id(self, name: str) -> str:
+        return str(self.nodes[name].health()["short_id"])
+
+    def wait_holders(self, coordinator: str, count: int, timeout_s: float = 60.0) -> None:
+        node = self.nodes[coordinator]
+
+        def seen() -> bool:
+            entry = node.get_json("/v1/models")["data"][0]  # type: ignore[index]
+            return len(entry["swarm"]["holders"]) >= count and bool(entry["swarm"]["routable"])
+
+        assert wait_until(seen, timeout_s, 0.5), f"{coordinator} never saw {count} holders"
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+@pytest.fixture
+def swarm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWARMD_TORCH_THREADS", "1")  # nodes share two cores
+
+
+def chat_body(prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    return {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "return_token_ids": True,
+    }
+
+
+def complete(node: NodeProcess, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    status, reply, headers = http_json(f"{node.url}/v1/chat/completions", body, timeout_s=300)
+    assert status == 200, reply
+    return reply, {k.lower(): v for k, v in headers.items()}
+
+
+class Stream:
+    """A streamed chat reply read event by event (http.client, so it can be cut)."""
+
+    def __init__(self, node: NodeProcess, body: dict[str, Any]) -> None:
+        url = urlsplit(node.url)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=300)
+        self.conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200
+        self.headers = {k.lower(): v for k, v in self.response.getheaders()}
+        self.text = ""
+        self.content_events = 0
+        self.finish_reason: str | None = None
+        self.swarm: dict[str, Any] | None = None
+        self.errors: list[dict[str, Any]] = []
+        self.done = False
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        for raw in self.response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                self.done = True
+                return
+            event = json.loads(data)
+            if "error" in event:
+                self.errors.append(event["error"])
+            for choice in event.get("choices", []):
+                content = choice["delta"].get("content")
+                if content:
+                    self.text += content
+                    self.content_events += 1
+                if choice.get("finish_reason"):
+                    self.finish_reason = choice["finish_reason"]
+            if "swarm" in event:
+                self.swarm = event["swarm"]
+            yield event
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# --- exact match and client gone: one swarm of three for the module -------------------
+
+
+@pytest.fixture(scope="module")
+def three_stages(test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    previous = os.environ.get("SWARMD_TORCH_THREADS")
+    os.environ["SWARMD_TORCH_THREADS"] = "1"
+    swarm = Swarm(tmp_path_factory.mktemp("three"), ["--cache-dir", str(test_cache_dir)])
+    try:
+        swarm.start([("a", "0:10", None), ("b", "10:20", None), ("c", "20:30", None)])
+        for name in ("a", "b", "c"):
+            swarm.wait_holders(name, 3)
+        yield swarm
+    finally:
+        swarm.stop()
+        if previous is None:
+            os.environ.pop("SWARMD_TORCH_THREADS", None)
+        else:
+            os.environ["SWARMD_TORCH_THREADS"] = previous
+
+
+def test_three_stages_give_the_single_node_tokens(
+    three_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    route = [three_stages.short_id(n) for n in ("a", "b", "c")]
+    for prompt in PROMPTS:
+        reference, _ = complete(embedded_node, chat_body(prompt, 16))
+        for name in ("a", "b", "c"):  # each node coordinates once
+            reply, headers = complete(three_stages[name], chat_body(prompt, 16))
+            assert headers["x-swarm-route"] == "distributed"
+            assert headers["x-swarm-segments"] == "3"
+            assert headers["x-swarm-nodes"] == ",".join(route)
+            assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+            assert reply["choices"][0]["message"] == reference["choices"][0]["message"]
+            assert reply["usage"] == reference["usage"]
+            swarm = reply["swarm"]
+            assert swarm["failovers"] == 0
+            assert [s["node"] for s in swarm["segments"]] == route
+            assert all(s["ms"] > 0 for s in swarm["segments"])
+    assert reference["usage"]["prompt_tokens"] > 256  # the last prompt took several chunks
+    log = three_stages["a"].log_text()
+    assert "route=distributed segments=3" in log
+    assert "seg2_ms=" in log and "activation_bytes=" in log and "failovers=0" in log
+
+
+def test_client_gone_frees_the_session_on_every_stage(three_stages: Swarm) -> None:
+    nodes = [three_stages[n] for n in ("a", "b", "c")]
+    stream = Stream(nodes[0], chat_body("Write a long story about a lighthouse.", 400, True))
+    events = stream.events()
+    while stream.content_events < 3:
+        next(events)
+    assert all(int(n.health()["sessions"]) == 1 for n in nodes)  # one cache on each stage
+    stream.close()
+    left = time.monotonic()
+    assert wait_until(lambda: all(int(n.health()["sessions"]) == 0 for n in nodes), 2.0)
+    assert time.monotonic() - left < 2.0
+    assert wait_until(lambda: "error_type=ClientDisconnectedError" in nodes[0].log_text(), 5.0)
+
+
+# --- failover ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def swarm(tmp_path: Path, test_cache_dir: Path, swarm_env: None) -> Iterator[Swarm]:
+    made = Swarm(tmp_path, ["--cache-dir", str(test_cache_dir)])
+    try:
+        yield made
+    finally:
+        made.stop()
+
+
+def test_a_killed_stage_fails_over_to_its_standby(swarm: Swarm, embedded_node: NodeProcess) -> None:
+    prompt = "Write a short poem about the sea."
+    reference = Stream(embedded_node, chat_body(prompt, 100, True))
+    list(reference.events())
+    swarm.start(
+        [("a", "0:10", None), ("b", "10:20", None), ("b2", "10:20", None), ("c", "20:30", None)]
+    )
+    swarm.wait_holders("a", 4)
+    by_short = {swarm.short_id(n): n for n in ("b", "b2")}
+
+    stream = Stream(swarm["a"], chat_body(prompt, 100, True))
+    route = stream.headers["x-swarm-nodes"].split(",")
+    victim = next(by_short[s] for s in route if s in by_short)
+    survivor = "b2" if victim == "b" else "b"
+    for _ in stream.events():
+        if stream.content_events == 20:
+            os.kill(swarm[victim].proc.pid, signal.SIGKILL)
+            swarm[victim].proc.wait(timeout=10)
+    assert stream.done and not stream.errors
+    assert stream.text == reference.text
+    assert stream.finish_reason == reference.finish_reason
+    assert stream.swarm is not None
+    assert stream.swarm["failovers"] == 1
+    assert swarm.short_id(survivor) in stream.swarm["nodes"]
+    log = swarm["a"].log_text()
+    assert "failovers=1 outcome=ok" in log
+    assert "DIAG: peer banned" in log
+
+
+def test_a_killed_range_without_standby_ends_the_stream_with_an_error(swarm: Swarm) -> None:
+    swarm.start([("a", "0:10", None), ("b", "10:20", None), ("c", "20:30", None)])
+    swarm.wait_holders("a", 3)
+    stream = Stream(swarm["a"], chat_body("Write a short poem about the sea.", 100, True))
+    for _ in stream.events():
+        if stream.content_events == 10 and swarm["b"].proc.poll() is None:
+            os.kill(swarm["b"].proc.pid, signal.SIGKILL)
+            swarm["b"].proc.wait(timeout=10)
+    assert stream.done  # [DONE] after the error event
+    assert len(stream.errors) == 1
+    assert "[10:20)" in stream.errors[0]["message"]
+    assert stream.finish_reason is None
+
+    status, body, headers = http_json(
+        f"{swarm['a'].url}/v1/chat/completions", chat_body("Hello", 5), timeout_s=60
+    )
+    assert status == 503
+    assert "[10:20)" in body["error"]["message"]
+    assert int(headers["Retry-After"]) > 0
+
+
+# --- a stage that sends garbage ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(
+    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    workdir = tmp_path_factory.mktemp("tiny-ref")
+    node = start_node(
+        [
+            "--port",
+            "0",
+            "--p2p-port",
+            "0",
+            "--model",
+            str(tiny_chat_dir),
+            "--data-dir",
+            str(workdir / "data"),
+        ],
+        workdir,
+    )
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.mark.parametrize("mode", ["shape", "dtype", "nan"])
+def test_a_hostile_stage_is_banned_and_routed_around(
+    mode: str, tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
+) -> None:
+    swarm = Swarm(tmp_path, ["--model", str(tiny_chat_dir)])
+    try:
+        swarm.start(
+            [
+                ("a", "0:2", None),
+                ("h", "2:3", [*HOSTILE, mode]),
+                ("b2", "2:3", None),
+                ("c", "3:4", None),
+            ]
+        )
+        swarm.wait_holders("a", 4)
+        hostile = swarm.short_id("h")
+        body = chat_body("Tell me about the sea.", 12)
+        body["model"] = tiny_reference.model_id
+        reference, _ = complete(tiny_reference, body)
+        reply, _ = complete(swarm["a"], body)
+        assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+        assert reply["swarm"]["failovers"] == 1
+        assert hostile not in reply["swarm"]["nodes"]
+        hostile_peer = swarm["h"].health()["peer_id"]
+        for name in ("a", "c"):  # c caught it, a (the coordinator) was told
+            bans = swarm[name].get_json("/api/peers")["bans"]
+            assert hostile_peer in [b["peer_id"] for b in bans]  # type: ignore[union-attr]
+        assert "DIAG: stage rejected a frame" in swarm["c"].log_text()
+        # The route went through it first: the coordinator failed it over as "bad".
+        assert f"peer={hostile} kind=bad failover=1" in swarm["a"].log_text()
+    finally:
+        swarm.stop()

@@ -1,0 +1,791 @@
+"""The stage protocol's frames: every builder round-trips, every field a peer sends is checked.
+
+Structural garbage is a MalformedFrameError (the sender gets banned); a well-formed open
+this node cannot serve is a StageRefusedError (answered, nobody banned), never the former.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from swarmd.errors import MalformedFrameError, StageRefusedError
+from swarmd.model.layers import LayerRange
+from swarmd.model.sampling import SamplingParams
+from swarmd.net.frames import FRAME_HEADER_BYTES, FrameDecoder, encode_frame
+from swarmd.pipeline.wire import (
+    END_FRAME,
+    MAX_LOGIT_BIAS,
+    MAX_ROUTE_STAGES,
+    MAX_SID_CHARS,
+    MAX_STEP_TOKENS,
+    MAX_WHY_CHARS,
+    Fail,
+    OpenRequest,
+    RouteHop,
+    StageLimits,
+    TokenReply,
+    fail_frame,
+    frame_type,
+    ints_to_bytes,
+    open_frame,
+    parse_fail,
+    parse_hidden,
+    parse_open,
+    parse_ret,
+    parse_step,
+    parse_token,
+    ret_frame,
+    step_frame,
+    token_frame,
+)
+
+ME = "12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+PREV = "12D3KooWPREVPREVPREVPREVPREVPREVPREVPREVPREVPREVPR"
+NEXT = "12D3KooWNEXTNEXTNEXTNEXTNEXTNEXTNEXTNEXTNEXTNEXTNE"
+COORD = "12D3KooWCOORDCOORDCOORDCOORDCOORDCOORDCOORDCOORDCO"
+HIDDEN = 8
+VOCAB = 100
+LIMITS = StageLimits(
+    peer_id=ME,
+    model_id="m",
+    held=LayerRange(0, 20),
+    num_layers=30,
+    hidden_size=HIDDEN,
+    vocab_size=VOCAB,
+    context_length=512,
+)
+MAX_FRAME = 1 << 22
+
+
+def addr(peer: str, port: int = 4001) -> str:
+    return f"/ip4/10.0.0.1/tcp/{port}/p2p/{peer}"
+
+
+def make_request(
+    route: tuple[RouteHop, ...] = (RouteHop(ME, 0, 20), RouteHop(NEXT, 20, 30)),
+    hop: int = 0,
+    **changes: Any,
+) -> OpenRequest:
+    fields: dict[str, Any] = {
+        "sid": "sess-01_a.b",
+        "hop": hop,
+        "route": route,
+        "addrs": {
+            NEXT: (addr(NEXT), f"/ip6/::1/udp/4001/quic-v1/p2p/{NEXT}"),
+            COORD: (addr(COORD, 4002),),
+        },
+        "coordinator": COORD,
+        "model_id": "m",
+        "max_length": 256,
+        "sampling": SamplingParams(
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.05,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            logit_bias={3: -100.0, 17: 2.5, 99: 100.0},
+            seed=2**64 - 1,
+        ),
+        "history": (5, 0, 99, 42),
+    }
+    fields.update(changes)
+    return OpenRequest(**fields)
+
+
+def wire(frame: dict[str, Any]) -> dict[str, Any]:
+    """The frame as a peer receives it: encoded, split in two reads, decoded (msgpack)."""
+    data = encode_frame(frame, MAX_FRAME)
+    decoder = FrameDecoder(MAX_FRAME, MAX_FRAME + FRAME_HEADER_BYTES)
+    half = len(data) // 2
+    frames = decoder.feed(data[:half]) + decoder.feed(data[half:])
+    assert len(frames) == 1 and not decoder.mid_frame
+    return frames[0]
+
+
+def open_dict(**changes: Any) -> dict[str, Any]:
+    frame = open_frame(make_request())
+    frame.update(changes)
+    return frame
+
+
+def sampling_dict(**changes: Any) -> dict[str, Any]:
+    frame = open_dict()
+    frame["sampling"].update(changes)
+    return frame
+
+
+def hidden_dict(hidden: torch.Tensor | None = None, **changes: Any) -> dict[str, Any]:
+    if hidden is None:
+        hidden = torch.randn(1, 3, HIDDEN, generator=torch.Generator().manual_seed(0))
+    frame = step_frame(4, True, hidden, [1.5, 2.0], 10)
+    frame.update(changes)
+    return frame
+
+
+def ids_dict(**changes: Any) -> dict[str, Any]:
+    frame = step_frame(0, False, torch.tensor([[1, 2, 3]]), [], 0)
+    frame.update(changes)
+    return frame
+
+
+def malformed(call: Callable[[], object], match: str | None = None) -> None:
+    with pytest.raises(MalformedFrameError, match=match):
+        call()
+
+
+# --- round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("over_wire", [False, True])
+def test_open_round_trips(over_wire: bool) -> None:
+    req = make_request()
+    frame = open_frame(req)
+    got = parse_open(wire(frame) if over_wire else frame, LIMITS)
+    assert got == req
+    assert got.sampling.logit_bias == {3: -100.0, 17: 2.5, 99: 100.0}
+    assert got.sampling.seed == 2**64 - 1
+    assert got.history == (5, 0, 99, 42)
+    assert got.addrs[NEXT] == req.addrs[NEXT]
+    assert got.me == RouteHop(ME, 0, 20) and not got.is_last and got.next_peer == NEXT
+    assert frame_type(frame) == "open"
+
+
+def test_open_round_trips_defaults_and_an_empty_history() -> None:
+    req = make_request(sampling=SamplingParams(), history=(), addrs={})
+    assert parse_open(wire(open_frame(req)), LIMITS) == req
+
+
+def test_open_of_the_last_stage_sends_to_the_coordinator() -> None:
+    limits = StageLimits(ME, "m", LayerRange(10, 30), 30, HIDDEN, VOCAB, 512)
+    req = make_request(route=(RouteHop(PREV, 0, 10), RouteHop(ME, 10, 30)), hop=1)
+    got = parse_open(wire(open_frame(req)), limits)
+    assert got == req and got.is_last and got.next_peer == COORD
+    assert got.me.layers == LayerRange(10, 30)
+
+
+def test_a_stage_may_be_asked_for_part_of_what_it_holds() -> None:
+    route = (RouteHop(PREV, 0, 5), RouteHop(ME, 5, 20), RouteHop(NEXT, 20, 30))
+    req = make_request(route=route, hop=1)
+    got = parse_open(wire(open_frame(req)), LIMITS)
+    assert got == req
+    assert got.me.layers == LayerRange(5, 20)
+    assert got.next_peer == NEXT
+
+
+def test_ids_step_round_trips() -> None:
+    ids = torch.tensor([[0, 7, 99, 42]])  # [1, T]
+    frame = step_frame(3, True, ids, [1.25], 0)
+    step = parse_step(wire(frame), 3, True, LIMITS, torch.float32)
+    assert step.n == 3 and step.want is True
+    assert step.inputs.dtype == torch.long and torch.equal(step.inputs, ids)
+    assert step.stage_ms == (1.25,) and step.activation_bytes == 0
+    assert frame_type(frame) == "step"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_hidden_step_round_trips_bit_for_bit(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(1, 5, HIDDEN, generator=generator) * 100).to(dtype)  # [1, T, H]
+    hidden[0, 0, 0] = -0.0
+    hidden[0, 0, 1] = torch.finfo(dtype).max
+    hidden[0, 0, 2] = torch.finfo(dtype).tiny / 2  # a subnormal
+    frame = step_frame(7, False, hidden, [3.0, 4.5], 100)
+    assert frame["ab"] == 100 + hidden.numel() * hidden.element_size()
+    got = parse_step(wire(frame), 7, False, LIMITS, dtype)
+    assert got.inputs.dtype == dtype and got.inputs.shape == (1, 5, HIDDEN)
+    # Bit for bit: compare the raw words, so -0.0 and subnormals count too.
+    assert got.inputs.view(torch.int8).tolist() == hidden.view(torch.int8).tolist()
+    assert got.n == 7 and got.want is False
+    assert got.stage_ms == (3.0, 4.5) and got.activation_bytes == frame["ab"]
+    as_float = parse_step(wire(frame), 7, False, LIMITS, torch.float32)
+    assert as_float.inputs.dtype == torch.float32
+    assert torch.equal(as_float.inputs, hidden.float())
+
+
+def test_hidden_step_of_an_inference_tensor_and_a_strided_view() -> None:
+    with torch.inference_mode():
+        base = torch.randn(1, HIDDEN, 4, generator=torch.Generator().manual_seed(2))
+        hidden = base.transpose(1, 2).to(torch.bfloat16)  # [1, 4, H], not contiguous
+    frame = step_frame(0, True, hidden, [], 0)
+    got = parse_hidden(wire(frame), HIDDEN, torch.bfloat16)
+    assert torch.equal(got, hidden)
+
+
+def test_received_hidden_state_is_writable_and_owns_its_memory() -> None:
+    frame = wire(hidden_dict())
+    raw = frame["h"]
+    got = parse_hidden(frame, HIDDEN, torch.float32)
+    got.add_(1)  # a read-only buffer would warn (filterwarnings=error) or fail here
+    assert frame["h"] == raw
+
+
+def test_token_round_trips() -> None:
+    frame = token_frame(9, 42, [1.0, 2.0, 3.0], 4096)
+    reply = parse_token(wire(frame), 9, VOCAB, want=True)
+    assert reply == TokenReply(9, 42, (1.0, 2.0, 3.0), 4096)
+    assert frame_type(frame) == "tok"
+
+
+def test_token_of_a_step_that_wanted_none() -> None:
+    frame = token_frame(2, None, [], 0)
+    assert frame["id"] == -1
+    assert parse_token(wire(frame), 2, VOCAB, want=False) == TokenReply(2, None, (), 0)
+    # A token where none was asked for is dropped, not an error.
+    assert parse_token(token_frame(2, 5, [], 0), 2, VOCAB, want=False).token is None
+
+
+def test_fail_round_trips() -> None:
+    for kind in ("lost", "bad", "refused"):
+        frame = fail_frame(NEXT, "connection reset", kind)
+        assert parse_fail(wire(frame)) == Fail(NEXT, "connection reset", kind)
+    long = fail_frame(NEXT, "x" * (MAX_WHY_CHARS + 50), "bad")
+    assert parse_fail(long).why == "x" * MAX_WHY_CHARS
+    assert frame_type(long) == "fail"
+
+
+def test_ret_and_end_round_trip() -> None:
+    assert parse_ret(wire(ret_frame("sess-01"))) == "sess-01"
+    assert frame_type(ret_frame("s")) == "ret"
+    assert frame_type(wire(END_FRAME)) == "end"
+
+
+def test_ints_to_bytes_is_little_endian_int32() -> None:
+    assert ints_to_bytes([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
+    assert ints_to_bytes(()) == b""
+
+
+# --- frame types ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [None, "", "opened", 1, b"open", ["open"]])
+def test_unknown_frame_type(kind: object) -> None:
+    malformed(lambda: frame_type({"t": kind}), "unknown type")
+    malformed(lambda: frame_type({}), "unknown type")
+
+
+# --- hidden states ----------------------------------------------------------------------
+
+
+def test_hidden_of_the_wrong_width() -> None:
+    hidden = torch.zeros(1, 2, HIDDEN + 1)
+    malformed(lambda: parse_step(hidden_dict(hidden), 4, False, LIMITS, torch.float32), "wide")
+
+
+@pytest.mark.parametrize("tokens", [0, -1, MAX_STEP_TOKENS + 1])
+def test_hidden_of_a_bad_token_count(tokens: int) -> None:
+    count = max(tokens, 0) * HIDDEN
+    frame = hidden_dict(shape=[tokens, HIDDEN], h=b"\x00" * (4 * count))
+    malformed(lambda: parse_hidden(frame, HIDDEN, torch.float32), "tokens")
+
+
+def test_hidden_of_the_largest_token_count_is_accepted() -> None:
+    hidden = torch.zeros(1, MAX_STEP_TOKENS, HIDDEN, dtype=torch.float16)
+    assert parse_hidden(hidden_dict(hidden), HIDDEN, torch.float16).shape == (
+        1,
+        MAX_STEP_TOKENS,
+        HIDDEN,
+    )
+
+
+@pytest.mark.parametrize("name", ["float64", "int32", "FLOAT32", "", None, 4, ["float32"]])
+def test_hidden_of_an_unknown_dtype(name: object) -> None:
+    frame = hidden_dict(dt=name)
+    malformed(lambda: parse_step(frame, 4, False, LIMITS, torch.float32), "dtype")
+
+
+def test_float64_tensor_is_not_a_wire_dtype() -> None:
+    # float64 bytes sent under a float32 name are the wrong length, never reinterpreted.
+    hidden = torch.zeros(1, 3, HIDDEN, dtype=torch.float64)
+    raw = hidden[0].numpy().tobytes()
+    frame = hidden_dict(h=raw)
+    malformed(lambda: parse_hidden(frame, HIDDEN, torch.float32), "bytes")
+
+
+@pytest.mark.parametrize("delta", [-1, 1, -4, 4, -96])
+def test_hidden_whose_bytes_do_not_match_shape_and_dtype(delta: int) -> None:
+    frame = hidden_dict()
+    frame["h"] = frame["h"] + b"\x00" * delta if delta > 0 else frame["h"][:delta]
+    malformed(lambda: parse_hidden(frame, HIDDEN, torch.float32), "bytes")
+
+
+def test_hidden_bytes_sized_for_another_dtype() -> None:
+    frame = hidden_dict(dt="float16")  # float32 bytes: twice what float16 says
+    malformed(lambda: parse_hidden(frame, HIDDEN, torch.float32), "bytes")
+
+
+@pytest.mark.parametrize("raw", ["text", None, [0, 1], 3, bytearray(96)])
+def test_hidden_bytes_that_are_not_bytes(raw: object) -> None:
+    malformed(lambda: parse_hidden(hidden_dict(h=raw), HIDDEN, torch.float32), "bytes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [(0, 0), (1, 3), (2, HIDDEN - 1)])
+def test_hidden_holding_nan_or_inf(dtype: torch.dtype, bad: float, where: tuple[int, int]) -> None:
+    hidden = torch.ones(1, 3, HIDDEN, dtype=dtype)
+    hidden[0, where[0], where[1]] = bad
+    frame = wire(hidden_dict(hidden))
+    malformed(lambda: parse_step(frame, 4, False, LIMITS, torch.float32), "NaN or Inf")
+
+
+def test_float32_values_past_half_precision_are_accepted_as_float32() -> None:
+    hidden = torch.full((1, 1, HIDDEN), 1e30)
+    assert torch.equal(parse_hidden(hidden_dict(hidden), HIDDEN, torch.float32), hidden)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (3, HIDDEN),
+        [3],
+        [3, HIDDEN, 1],
+        [1, 3, HIDDEN],
+        [True, HIDDEN],
+        [3, True],
+        [3.0, HIDDEN],
+        ["3", HIDDEN],
+        None,
+        {"0": 3, "1": HIDDEN},
+    ],
+)
+def test_hidden_of_a_bad_shape(shape: object) -> None:
+    malformed(lambda: parse_hidden(hidden_dict(shape=shape), HIDDEN, torch.float32), "shape")
+
+
+# --- step frames ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_step_with_an_extra_key(first: bool) -> None:
+    frame = ids_dict() if first else hidden_dict()
+    frame["extra"] = 1
+    malformed(lambda: parse_step(frame, frame["n"], first, LIMITS, torch.float32), "fields")
+
+
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("key", ["t", "n", "want", "ms", "ab", "payload"])
+def test_step_with_a_missing_key(first: bool, key: str) -> None:
+    frame = ids_dict() if first else hidden_dict()
+    if key == "payload":
+        key = "ids" if first else "shape"
+    n = frame["n"]
+    del frame[key]
+    malformed(lambda: parse_step(frame, n, first, LIMITS, torch.float32), "fields")
+
+
+def test_ids_step_to_a_stage_that_wants_hidden_states_and_back() -> None:
+    malformed(lambda: parse_step(ids_dict(), 0, False, LIMITS, torch.float32), "fields")
+    malformed(lambda: parse_step(hidden_dict(), 4, True, LIMITS, torch.float32), "fields")
+
+
+@pytest.mark.parametrize("n", [3, 5, -1, True, 4.0, "4", None, 2**62 + 1])
+def test_step_of_the_wrong_number(n: object) -> None:
+    frame = hidden_dict(n=n)
+    malformed(lambda: parse_step(frame, 4, False, LIMITS, torch.float32))
+
+
+@pytest.mark.parametrize("want", [1, 0, "true", None, 1.0])
+def test_step_want_must_be_a_bool(want: object) -> None:
+    frame = ids_dict(want=want)
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "want")
+
+
+@pytest.mark.parametrize(
+    "ms", [None, 1.0, [math.nan], [-1.0], [math.inf], [True], ["1"], [0.0] * 65]
+)
+def test_step_with_bad_stage_times(ms: object) -> None:
+    frame = ids_dict(ms=ms)
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "'ms'")
+
+
+@pytest.mark.parametrize("ab", [-1, 1.5, True, None, 2**62 + 1])
+def test_step_with_bad_activation_bytes(ab: object) -> None:
+    frame = ids_dict(ab=ab)
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "'ab'")
+
+
+def test_step_with_the_most_stage_times_is_accepted() -> None:
+    frame = ids_dict(ms=[0.0] * MAX_ROUTE_STAGES)
+    assert len(parse_step(frame, 0, True, LIMITS, torch.float32).stage_ms) == MAX_ROUTE_STAGES
+
+
+@pytest.mark.parametrize("count", [0, MAX_STEP_TOKENS + 1])
+def test_ids_step_of_a_bad_token_count(count: int) -> None:
+    frame = ids_dict(ids=ints_to_bytes([1] * count))
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32))
+
+
+def test_ids_step_of_the_most_tokens_is_accepted() -> None:
+    frame = ids_dict(ids=ints_to_bytes([1] * MAX_STEP_TOKENS))
+    step = parse_step(frame, 0, True, LIMITS, torch.float32)
+    assert step.inputs.shape == (1, MAX_STEP_TOKENS)
+
+
+@pytest.mark.parametrize("ids", [[VOCAB], [0, 1, VOCAB + 5], [2**31 - 1], [-1], [3, -(2**31)]])
+def test_ids_step_with_an_id_outside_the_vocab(ids: list[int]) -> None:
+    frame = ids_dict(ids=ints_to_bytes(ids))
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "token id")
+
+
+@pytest.mark.parametrize("length", [1, 3, 5, 13])
+def test_ids_bytes_not_a_multiple_of_four(length: int) -> None:
+    frame = ids_dict(ids=b"\x01" * length)
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "int32 bytes")
+
+
+@pytest.mark.parametrize("ids", [[1, 2], "abcd", None, bytearray(4)])
+def test_ids_that_are_not_bytes(ids: object) -> None:
+    frame = ids_dict(ids=ids)
+    malformed(lambda: parse_step(frame, 0, True, LIMITS, torch.float32), "int32 bytes")
+
+
+# --- token, fail, ret -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [VOCAB, -2, 1.0, True, None, "3"])
+def test_token_out_of_range(token: object) -> None:
+    frame = token_frame(1, 0, [], 0)
+    frame["id"] = token
+    malformed(lambda: parse_token(frame, 1, VOCAB, want=True), "'id'")
+
+
+def test_no_token_where_one_was_asked_for() -> None:
+    malformed(lambda: parse_token(token_frame(1, None, [], 0), 1, VOCAB, want=True), "no token")
+
+
+def test_token_of_the_wrong_step_or_fields() -> None:
+    malformed(lambda: parse_token(token_frame(2, 1, [], 0), 1, VOCAB, want=True), "step 2")
+    frame = token_frame(1, 1, [], 0)
+    frame["x"] = 0
+    malformed(lambda: parse_token(frame, 1, VOCAB, want=True), "fields")
+    del frame["x"], frame["ab"]
+    malformed(lambda: parse_token(frame, 1, VOCAB, want=True), "fields")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kind": "gone"},
+        {"kind": None},
+        {"peer": ""},
+        {"peer": "12D3/KooW"},
+        {"peer": "a" * 129},
+        {"peer": 5},
+        {"why": "x" * (MAX_WHY_CHARS + 1)},
+        {"why": b"bytes"},
+        {"extra": 1},
+    ],
+)
+def test_bad_fail_reports(change: dict[str, object]) -> None:
+    frame = {**fail_frame(NEXT, "why", "lost"), **change}
+    malformed(lambda: parse_fail(frame))
+
+
+def test_fail_report_missing_a_field() -> None:
+    frame = fail_frame(NEXT, "why", "lost")
+    del frame["why"]
+    malformed(lambda: parse_fail(frame), "fields")
+
+
+@pytest.mark.parametrize("sid", ["", "a b", "a/b", "x" * (MAX_SID_CHARS + 1), 7, None])
+def test_bad_ret(sid: object) -> None:
+    malformed(lambda: parse_ret({"t": "ret", "sid": sid}), "sid")
+    malformed(lambda: parse_ret({"t": "ret", "sid": "ok", "more": 1}), "fields")
+
+
+# --- open: structure --------------------------------------------------------------------
+
+
+def test_open_with_an_extra_key() -> None:
+    malformed(lambda: parse_open(open_dict(extra=1), LIMITS), "fields")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["t", "sid", "hop", "route", "addrs", "coord", "model", "max_len", "sampling", "history"],
+)
+def test_open_missing_a_key(key: str) -> None:
+    frame = open_dict()
+    del frame[key]
+    malformed(lambda: parse_open(frame, LIMITS), "fields")
+
+
+@pytest.mark.parametrize(
+    "sid",
+    ["", "a b", "a/b", "a:b", "a\nb", "x" * (MAX_SID_CHARS + 1), 5, None, b"sid"],
+)
+def test_open_with_a_bad_sid(sid: object) -> None:
+    malformed(lambda: parse_open(open_dict(sid=sid), LIMITS), "sid")
+
+
+def test_open_with_the_longest_sid_is_accepted() -> None:
+    sid = "x" * MAX_SID_CHARS
+    assert parse_open(open_dict(sid=sid), LIMITS).sid == sid
+
+
+@pytest.mark.parametrize("sid", ["sé", "s\u0663", "s\u00b2"])
+def test_open_with_a_non_ascii_sid(sid: str) -> None:
+    malformed(lambda: parse_open(open_dict(sid=sid), LIMITS), "sid")
+
+
+@pytest.mark.parametrize("hop", [-1, 2, True, 0.0, "0", None])
+def test_open_with_a_bad_hop(hop: object) -> None:
+    malformed(lambda: parse_open(open_dict(hop=hop), LIMITS), "hop")
+
+
+def test_open_whose_hop_names_another_peer() -> None:
+    frame = open_dict(hop=1)  # hop 1 is NEXT's
+    malformed(lambda: parse_open(frame, LIMITS), "names peer")
+    other = StageLimits(NEXT, "m", LayerRange(0, 20), 30, HIDDEN, VOCAB, 512)
+    malformed(lambda: parse_open(open_dict(), other), "names peer")
+
+
+@pytest.mark.parametrize(
+    ("route", "match"),
+    [
+        ([[ME, 0, 20]], "ends at layer 20"),  # ends early
+        ([[ME, 0, 20], [NEXT, 20, 29]], "ends at layer 29"),
+        ([[ME, 0, 20], [NEXT, 21, 30]], "in order"),  # a gap
+        ([[ME, 0, 20], [NEXT, 19, 30]], "in order"),  # an overlap
+        ([[NEXT, 20, 30], [ME, 0, 20]], "in order"),  # out of order
+        ([[ME, 1, 20], [NEXT, 20, 30]], "in order"),  # does not start at 0
+        ([[ME, 0, 20], [NEXT, 20, 25], [ME, 25, 30]], "twice"),  # a repeated peer
+        ([[ME, 0, 20], [NEXT, 20, 31]], "route end"),  # past the model
+        ([[ME, 0, 0], [NEXT, 0, 30]], "route end"),  # an empty stage
+        ([[ME, 0, 20], [NEXT, 20, 20], [PREV, 20, 30]], "route end"),
+        ([[ME, 0, 20], [NEXT, 30, 30]], "route start"),
+        ([], "route"),
+        ([[ME, 0, 1]] * (MAX_ROUTE_STAGES + 1), "route"),
+        (None, "route"),
+        ({"0": [ME, 0, 30]}, "route"),
+        ([[ME, 0, 20], [NEXT, 20]], "peer, start, end"),
+        ([[ME, 0, 20], [NEXT, 20, 30, 0]], "peer, start, end"),
+        ([[ME, 0, 20], (NEXT, 20, 30)], "peer, start, end"),
+        ([[ME, 0, 20], "NEXT"], "peer, start, end"),
+        ([[ME, 0, 20], [NEXT, 20.0, 30]], "route start"),
+        ([[ME, False, 20], [NEXT, 20, 30]], "route start"),
+        ([[ME, 0, 20], [NEXT, 20, True]], "route end"),
+        ([[ME, 0, 20], ["bad/peer", 20, 30]], "route peer"),
+        ([[ME, 0, 20], ["", 20, 30]], "route peer"),
+        ([[ME, 0, 20], [7, 20, 30]], "route peer"),
+    ],
+)
+def test_open_with_a_bad_route(route: object, match: str) -> None:
+    malformed(lambda: parse_open(open_dict(route=route), LIMITS), match)
+
+
+@pytest.mark.parametrize("coord", ["", "not a peer", "a" * 129, None, 3])
+def test_open_with_a_bad_coordinator(coord: object) -> None:
+    malformed(lambda: parse_open(open_dict(coord=coord), LIMITS), "coord")
+
+
+@pytest.mark.parametrize(
+    "addrs",
+    [
+        {NEXT: [f"/ip4/10.0.0.1/tcp/4001/p2p/{COORD}"]},  # another peer's address
+        {NEXT: [f"/ip4/10.0.0.1/tcp/4001/p2p/{NEXT}/extra"]},
+        {NEXT: ["/ip4/10.0.0.1/tcp/4001"]},  # no /p2p/ part
+        {NEXT: [f"ip4/10.0.0.1/tcp/4001/p2p/{NEXT}"]},  # not starting with /
+        {NEXT: [f"/ip4/10.0.0.1/tcp/4001/p2p/X{NEXT}"]},  # another peer's id as a suffix
+        {NEXT: [addr(NEXT), "/ip4/1.2.3.4/tcp/1"]},  # one good, one bad
+        {NEXT: [f"/ip4/{'1' * 300}/p2p/{NEXT}"]},  # too long
+        {NEXT: [addr(NEXT)] * 9},  # too many
+        {NEXT: addr(NEXT)},  # a string, not a list
+        {NEXT: [7]},
+        {"bad peer": ["/ip4/10.0.0.1/tcp/4001/p2p/bad peer"]},
+        {"": ["/p2p/"]},
+        [[NEXT, addr(NEXT)]],
+        None,
+        {f"12D3KooW{i:040d}": [] for i in range(MAX_ROUTE_STAGES + 2)},
+    ],
+)
+def test_open_with_bad_addresses(addrs: object) -> None:
+    malformed(lambda: parse_open(open_dict(addrs=addrs), LIMITS))
+
+
+@pytest.mark.parametrize("model", [None, 5, "m" * 201, b"m"])
+def test_open_with_a_bad_model_name(model: object) -> None:
+    malformed(lambda: parse_open(open_dict(model=model), LIMITS), "model")
+
+
+@pytest.mark.parametrize("max_len", [0, -1, 10**7 + 1, 1.5, True, "256", None])
+def test_open_with_a_bad_max_len(max_len: object) -> None:
+    malformed(lambda: parse_open(open_dict(max_len=max_len), LIMITS), "max_len")
+
+
+@pytest.mark.parametrize(
+    "history",
+    [ints_to_bytes([VOCAB]), ints_to_bytes([1, -1]), b"\x00\x00\x00", [1, 2], "ab"],
+)
+def test_open_with_a_bad_history(history: object) -> None:
+    malformed(lambda: parse_open(open_dict(history=history), LIMITS), "history")
+
+
+# --- open: sampling ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 100.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": -0.01}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": VOCAB + 1}, "top_k"),
+        ({"top_k": 1.0}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": -math.inf}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": "1"}, "seed"),
+    ],
+)
+def test_open_with_bad_sampling(change: dict[str, object], match: str) -> None:
+    frame = sampling_dict(**change)
+    malformed(lambda: parse_open(frame, LIMITS), match)
+    seed = change.get("seed")
+    if not (type(seed) is int and not -(2**63) <= seed < 2**64):  # msgpack's int range
+        malformed(lambda: parse_open(wire(frame), LIMITS), match)  # NaN survives msgpack
+
+
+@pytest.mark.parametrize(
+    ("bias", "match"),
+    [
+        ([[VOCAB, 1.0]], "logit_bias token"),
+        ([[-1, 1.0]], "logit_bias token"),
+        ([[1.0, 1.0]], "logit_bias token"),
+        ([[True, 1.0]], "logit_bias token"),
+        ([["3", 1.0]], "logit_bias token"),
+        ([[3, 100.5]], "logit_bias value"),
+        ([[3, -101]], "logit_bias value"),
+        ([[3, math.nan]], "logit_bias value"),
+        ([[3, math.inf]], "logit_bias value"),
+        ([[3, "1"]], "logit_bias value"),
+        ([[3]], r"\[token, value\]"),
+        ([[3, 1.0, 2.0]], r"\[token, value\]"),
+        ([(3, 1.0)], r"\[token, value\]"),
+        ([3, 1.0], r"\[token, value\]"),
+        ({"3": 1.0}, "at most"),
+        ([[i % VOCAB, 0.0] for i in range(MAX_LOGIT_BIAS + 1)], "at most"),
+        (None, "at most"),
+    ],
+)
+def test_open_with_a_bad_logit_bias(bias: object, match: str) -> None:
+    malformed(lambda: parse_open(sampling_dict(logit_bias=bias), LIMITS), match)
+
+
+def test_open_with_sampling_at_its_bounds_is_accepted() -> None:
+    frame = sampling_dict(
+        temperature=100,
+        top_p=0,
+        top_k=VOCAB,
+        min_p=1,
+        presence_penalty=-2,
+        frequency_penalty=2.0,
+        logit_bias=[[0, -100], [VOCAB - 1, 100.0]],
+        seed=-(2**63),
+    )
+    sampling = parse_open(wire(frame), LIMITS).sampling
+    assert sampling == SamplingParams(
+        temperature=100.0,
+        top_p=0.0,
+        top_k=VOCAB,
+        min_p=1.0,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        logit_bias={0: -100.0, VOCAB - 1: 100.0},
+        seed=-(2**63),
+    )
+    assert all(type(v) is float for v in sampling.logit_bias.values())
+    assert type(sampling.temperature) is float
+
+
+@pytest.mark.parametrize("key", ["temperature", "logit_bias", "seed"])
+def test_open_with_a_sampling_key_missing(key: str) -> None:
+    frame = open_dict()
+    del frame["sampling"][key]
+    malformed(lambda: parse_open(frame, LIMITS), "fields")
+
+
+def test_open_with_an_extra_sampling_key() -> None:
+    malformed(lambda: parse_open(sampling_dict(greedy=True), LIMITS), "fields")
+
+
+def test_open_with_a_sampling_key_named_t() -> None:
+    malformed(lambda: parse_open(sampling_dict(t="x"), LIMITS), "fields")
+
+
+@pytest.mark.parametrize("sampling", [None, [], "greedy", 0])
+def test_open_whose_sampling_is_not_a_map(sampling: object) -> None:
+    malformed(lambda: parse_open(open_dict(sampling=sampling), LIMITS), "sampling")
+
+
+# --- open: well formed, but not for this node -------------------------------------------
+
+
+def refused(frame: dict[str, Any], limits: StageLimits, match: str) -> None:
+    with pytest.raises(StageRefusedError, match=match) as info:
+        parse_open(frame, limits)
+    assert not isinstance(info.value, MalformedFrameError)
+
+
+def test_open_for_another_model_is_refused() -> None:
+    refused(wire(open_dict(model="other-model")), LIMITS, "does not serve model 'other-model'")
+
+
+@pytest.mark.parametrize(
+    ("route", "hop"),
+    [
+        ([[PREV, 0, 20], [ME, 20, 30]], 1),  # wholly outside 0:20
+        ([[PREV, 0, 15], [ME, 15, 25], [NEXT, 25, 30]], 1),  # runs past the end
+        ([[ME, 0, 30]], 0),  # the whole model
+        ([[ME, 0, 21], [NEXT, 21, 30]], 0),
+    ],
+)
+def test_open_for_layers_this_node_does_not_hold_is_refused(
+    route: list[list[object]], hop: int
+) -> None:
+    refused(wire(open_dict(route=route, hop=hop)), LIMITS, "holds layers 0:20")
+
+
+def test_open_for_layers_before_the_held_range_is_refused() -> None:
+    limits = StageLimits(ME, "m", LayerRange(10, 30), 30, HIDDEN, VOCAB, 512)
+    frame = open_dict(route=[[PREV, 0, 5], [ME, 5, 30]], hop=1)
+    refused(frame, limits, "holds layers 10:30, not 5:30")
+
+
+def test_open_longer_than_the_context_is_refused() -> None:
+    refused(wire(open_dict(max_len=513)), LIMITS, "over the model's context of 512")
+    assert parse_open(open_dict(max_len=512), LIMITS).max_length == 512
+
+
+def test_structural_errors_win_over_refusals() -> None:
+    # A frame both malformed and for another model is malformed: the sender is at fault.
+    frame = open_dict(model="other", sid="bad sid")
+    malformed(lambda: parse_open(frame, LIMITS), "sid")
+
+
+def test_parse_open_does_not_change_the_frame() -> None:
+    frame = open_dict()
+    before = copy.deepcopy(frame)
+    parse_open(frame, LIMITS)
+    assert frame == before
