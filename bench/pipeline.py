@@ -42,7 +42,9 @@ coordinator), so a token crosses N links on N >= 2 nodes and none on one node, a
 Only one stage computes at a time (one request, one token in flight), so the nodes take
 turns rather than compete, but every node's event loops (asyncio, trio, libp2p) wake on
 each token. The script measures, from /proc, the CPU the nodes and other processes use
-during each timed request and says so when they need more cores than the machine has.
+during each timed request and says so when they need more cores than the machine has
+(a 2-core box has no spare core for three nodes). Before each timed run it waits, up to
+`--quiet-timeout` s, until other processes use under `--quiet-cores` cores.
 The last line is
 
     RESULT one_ms=<ms> two_ms=<ms> three_ms=<ms> hop_overhead_ms=<ms>
@@ -56,7 +58,7 @@ import argparse
 import contextlib
 import json
 import os
-import selectors
+import queue
 import shutil
 import signal
 import socket
@@ -120,6 +122,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--request-timeout", type=float, default=300.0, help="seconds for one request"
+    )
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.3,
+        help="a timed run starts once other processes use fewer cores than this",
+    )
+    parser.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=30.0,
+        help="longest wait for a quiet machine before each timed run (0 = do not wait)",
     )
     parser.add_argument(
         "--keep-logs", type=Path, default=None, help="copy the nodes' logs into this folder"
@@ -197,6 +211,26 @@ def cpu_between(before: CpuSample, after: CpuSample) -> CpuUse:
     return CpuUse(nodes, foreign)
 
 
+def wait_quiet(pids: list[int], quiet_cores: float, timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) until processes other than ours use under `quiet_cores`."""
+    if timeout_s <= 0 or machine_busy_s() is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    warned = False
+    while True:
+        before = cpu_sample(pids)
+        time.sleep(0.5)  # the measuring window
+        foreign = cpu_between(before, cpu_sample(pids)).foreign or 0.0
+        if foreign < quiet_cores:
+            return
+        if time.monotonic() >= deadline:
+            print(f"  other processes still use {foreign:.2f} cores; running anyway", flush=True)
+            return
+        if not warned:
+            print(f"  waiting for a quiet machine (others use {foreign:.2f} cores)", flush=True)
+            warned = True
+
+
 # --- the nodes -------------------------------------------------------------------------
 
 
@@ -225,7 +259,7 @@ class NodeProcess:
         self.multiaddr = ""
         self.log_path = work_dir / f"{name}.log"
         self._stdout_lines: list[str] = []
-        self._drain: threading.Thread | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
         data_dir = work_dir / f"{name}-data"
         data_dir.mkdir()
         cmd = [
@@ -262,6 +296,10 @@ class NodeProcess:
         except OSError:
             self._log.close()
             raise
+        # A thread reads stdout for the node's lifetime: the node never blocks on a full
+        # pipe, and waiting for a line is a queue get with a timeout.
+        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
+        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -269,43 +307,40 @@ class NodeProcess:
 
     def wait_serving(self, timeout_s: float) -> None:
         """Read stdout until the `serving` line (keeping the p2p multiaddr on the way)."""
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout_s
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.proc.stdout, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BenchError(
-                        f"node {self.name} was not serving within {timeout_s:g} s\n"
-                        + self.log_tail()
-                    )
-                if not selector.select(left):
-                    continue
-                line = self.proc.stdout.readline()  # the node prints whole lines, flushed
-                if not line:
-                    raise BenchError(
-                        f"node {self.name} exited (rc {self.proc.wait()}) before serving\n"
-                        + self.log_tail()
-                    )
-                self._stdout_lines.append(line.rstrip("\n"))
-                if line.startswith(P2P_PREFIX):
-                    addr = line[len(P2P_PREFIX) :].strip()
-                    if not self.multiaddr or addr.startswith("/ip4/127.0.0.1/"):
-                        self.multiaddr = addr
-                elif line.startswith(READY_PREFIX):
-                    break
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(
+                    f"node {self.name} was not serving within {timeout_s:g} s\n" + self.log_tail()
+                )
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise BenchError(
+                    f"node {self.name} exited (rc {self.proc.wait()}) before serving\n"
+                    + self.log_tail()
+                )
+            if line.startswith(P2P_PREFIX):
+                addr = line[len(P2P_PREFIX) :].strip()
+                if not self.multiaddr or addr.startswith("/ip4/127.0.0.1/"):
+                    self.multiaddr = addr
+            elif line.startswith(READY_PREFIX):
+                break
         if not self.multiaddr:
             raise BenchError(f"node {self.name} printed no p2p multiaddr")
-        # Keep reading stdout so that the node never blocks on a full pipe.
-        self._drain = threading.Thread(target=self._drain_stdout, daemon=True)
-        self._drain.start()
 
-    def _drain_stdout(self) -> None:
+    def _read_stdout(self) -> None:
+        """The reader thread: every stdout line into the queue (None at EOF), for good."""
         assert self.proc.stdout is not None
         with contextlib.suppress(OSError, ValueError):
-            for line in self.proc.stdout:
-                self._stdout_lines.append(line.rstrip("\n"))
+            for raw in self.proc.stdout:
+                line = raw.rstrip("\n")
+                self._stdout_lines.append(line)
+                self._lines.put(line)
+        self._lines.put(None)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -338,8 +373,7 @@ class NodeProcess:
                 print(f"  warning: node {self.name} ignored SIGTERM; killing it", flush=True)
                 self.proc.kill()
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
-        if self._drain is not None:
-            self._drain.join(timeout=5)
+        self._reader.join(timeout=5)
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()
@@ -554,6 +588,7 @@ def run_setup(
             time.sleep(1.0)  # one second with no request: what the idle nodes use
             result.idle_cpu = cpu_between(before, cpu_sample(pids))
             for i in range(args.runs):
+                wait_quiet(pids, args.quiet_cores, args.quiet_timeout)
                 probe = chat(first.url, model_id, 1, args.request_timeout, nodes)
                 check_route(probe, layers)
                 before = cpu_sample(pids)
@@ -566,7 +601,7 @@ def run_setup(
                     reply, probe.compute_ms, cpu_between(before, after), after.wall - before.wall
                 )
                 result.runs.append(run)
-                print(f"  run {i + 1}: {describe(run)}", flush=True)
+                print(f"  run {i + 1}: {describe(run, args.quiet_cores)}", flush=True)
         except BaseException:
             for node in nodes:
                 if not node.alive():
@@ -583,10 +618,12 @@ def run_setup(
     return result
 
 
-def describe(run: RunResult) -> str:
+def describe(run: RunResult, quiet_cores: float) -> str:
     r = run.reply
     cpu = "/".join(f"{c:.2f}" for c in run.cpu.nodes)
     foreign = "" if run.cpu.foreign is None else f", other processes {run.cpu.foreign:.2f}"
+    if run.cpu.foreign is not None and run.cpu.foreign >= quiet_cores:
+        foreign += " (contended)"
     return (
         f"{r.tokens} tokens, {run.ms_per_token:.2f} ms/token = compute "
         f"{run.compute_per_token:.2f} + overhead {run.overhead_per_token:.2f} "
@@ -599,23 +636,30 @@ def describe(run: RunResult) -> str:
 # --- report ----------------------------------------------------------------------------
 
 
-def contention_notes(results: list[SetupResult]) -> list[str]:
+def contention_notes(results: list[SetupResult], quiet_cores: float) -> list[str]:
     cores = os.cpu_count() or 1
     notes = []
     for res in results:
-        demand = max(r.cpu.total_nodes + (r.cpu.foreign or 0.0) for r in res.runs)
-        busy_nodes = max(sum(c > 0.5 for c in r.cpu.nodes) for r in res.runs)
+        nodes = max(r.cpu.total_nodes for r in res.runs)
+        foreign = [r.cpu.foreign for r in res.runs if r.cpu.foreign is not None]
         idle = res.idle_cpu.total_nodes if res.idle_cpu else float("nan")
         line = (
-            f"  {res.name}: {len(res.layers)} node process(es), at most {demand:.2f} of "
-            f"{cores} cores busy during a request (nodes + others), idle nodes {idle:.2f}"
+            f"  {res.name}: {len(res.layers)} node process(es) used at most {nodes:.2f} cores "
+            f"together during a request ({idle:.2f} idle)"
         )
-        if demand > cores - 0.25:
-            line += "; CONTENDED: the processes fought for the cores"
+        if foreign:
+            line += f", other processes up to {max(foreign):.2f}"
+        if nodes > cores - 0.25:
+            line += f"; CONTENDED: the node processes fought for the {cores} cores"
+        elif foreign and max(foreign) >= quiet_cores and nodes + max(foreign) > cores - 0.25:
+            line += (
+                f"; CONTENDED by other processes ({nodes + max(foreign):.2f} of {cores} cores "
+                "busy): these figures are inflated"
+            )
         elif len(res.layers) > cores:
             line += (
-                f"; {len(res.layers)} processes on {cores} cores, but they took turns "
-                f"({busy_nodes} above half a core at once)"
+                f"; {len(res.layers)} processes on {cores} cores, but they took turns (one "
+                "stage computes at a time), so they did not fight"
             )
         notes.append(line)
     return notes
@@ -659,7 +703,7 @@ def report(results: list[SetupResult], args: argparse.Namespace) -> None:
     )
     print()
     print(f"CPU ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end):")
-    for line in contention_notes(results):
+    for line in contention_notes(results, args.quiet_cores):
         print(line)
     print(
         f"RESULT one_ms={ms_tok['one']:.2f} two_ms={ms_tok['two']:.2f} "

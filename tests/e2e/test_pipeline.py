@@ -122,6 +122,12 @@ class Stream:
         self.done = False
 
     def events(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield from self._events()
+        finally:
+            self.close()
+
+    def _events(self) -> Iterator[dict[str, Any]]:
         for raw in self.response:
             line = raw.decode().strip()
             if not line.startswith("data:"):
@@ -145,6 +151,7 @@ class Stream:
             yield event
 
     def close(self) -> None:
+        self.response.close()
         self.conn.close()
 
 
