@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quiet-timeout",
         type=float,
-        default=30.0,
+        default=20.0,
         help="longest wait for a quiet machine before each timed run (0 = do not wait)",
     )
     parser.add_argument(
@@ -364,15 +364,21 @@ class NodeProcess:
             ]
         return []
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """Send SIGTERM (once running); `stop()` then waits for the exit."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                print(f"  warning: node {self.name} ignored SIGTERM; killing it", flush=True)
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            with contextlib.suppress(OSError):
+                self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        """SIGTERM, wait, SIGKILL on timeout; then close the pipe and the log."""
+        self.terminate()
+        try:
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"  warning: node {self.name} ignored SIGTERM; killing it", flush=True)
+            self.proc.kill()
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
         self._reader.join(timeout=5)
         if self.proc.stdout is not None:
             with contextlib.suppress(OSError):
@@ -608,6 +614,10 @@ def run_setup(
                     print(f"  node {node.name} exited with rc {node.proc.returncode}")
             raise
         finally:
+            # SIGTERM to every node first, so that none spends its shutdown dialing a
+            # peer that has already gone.
+            for node in nodes:
+                node.terminate()
             for node in nodes:
                 node.stop()
             if args.keep_logs is not None:
@@ -722,8 +732,17 @@ def pick_ports(args: argparse.Namespace, count: int) -> list[int]:
     return ports
 
 
+def _on_terminate(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGHUP to this script: unwind, so that the `finally` stops the nodes."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_terminate)
     load = os.getloadavg()
     print(
         f"{os.cpu_count()} CPUs, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "

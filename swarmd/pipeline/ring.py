@@ -106,8 +106,11 @@ class Ring:
         try:
             await self._up.send(wire.step_frame(n, want, inputs, [], 0))
         except PeerError as exc:
+            # Stage 0 may have closed its link after reporting a stage behind it: that
+            # report, not stage 0, says who failed.
             first = self._req.route[0].peer_id
-            raise StageFailedError(f"stage {first[-8:]} lost: {exc}", first, "lost") from exc
+            lost = StageFailedError(f"stage {first[-8:]} lost: {exc}", first, "lost")
+            raise await self._report_or(lost) from exc
         with trio.move_on_after(self._timeouts.step_s):
             event = await self._rx.receive()
             if event.source == "ret" and event.frame is not None:
@@ -156,9 +159,22 @@ class Ring:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the ring closed while this frame arrived
 
+    async def _report_or(self, default: StageFailedError) -> StageFailedError:
+        """A failure report that arrives within REPORT_GRACE_S, else `default`."""
+        with trio.move_on_after(REPORT_GRACE_S):
+            while True:
+                event = await self._rx.receive()
+                if event.frame is not None and event.frame.get("t") == "fail":
+                    return await self._failure(event)
+        return default
+
     async def _failure(self, event: _Event) -> StageFailedError:
         route = self._req.route
         if event.frame is not None:
+            if event.frame.get("t") == "end":  # a stage timed the session out (idle)
+                return await self._report_or(
+                    StageFailedError("a stage ended the session (idle timeout)", None, "lost")
+                )
             if event.frame.get("t") != "fail":
                 sender = route[0] if event.source == "up" else route[-1]
                 return self._bad(sender.peer_id, f"unexpected {str(event.frame.get('t'))[:10]}")
@@ -169,16 +185,11 @@ class Ring:
                 return self._bad(sender.peer_id, str(exc))
             peer = fail.peer_id if fail.peer_id in {h.peer_id for h in route} else None
             return StageFailedError(fail.why, peer, fail.kind)
-        if event.source == "up":
-            peer = route[0].peer_id
-            return StageFailedError(f"stage {peer[-8:]} lost: {event.error}", peer, "lost")
-        # The return stream broke: a stage before it may be reporting why.
-        with trio.move_on_after(REPORT_GRACE_S):
-            later = await self._rx.receive()
-            if later.frame is not None and later.frame.get("t") == "fail":
-                return await self._failure(later)
-        peer = route[-1].peer_id
-        return StageFailedError(f"stage {peer[-8:]} lost: {event.error}", peer, "lost")
+        # A link broke: a stage may be reporting why (stage 0 closes its link after
+        # reporting a stage behind it; the return stream breaks when any stage goes).
+        peer = route[0].peer_id if event.source == "up" else route[-1].peer_id
+        lost = StageFailedError(f"stage {peer[-8:]} lost: {event.error}", peer, "lost")
+        return await self._report_or(lost)
 
     def _bad(self, peer_id: str, why: str) -> StageFailedError:
         return StageFailedError(f"bad frame from stage {peer_id[-8:]}: {why}", peer_id, "bad")

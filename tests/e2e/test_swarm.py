@@ -77,13 +77,15 @@ def test_five_nodes_discover_each_other_and_forget_a_dead_one(
     entry = e.get_json("/v1/models")["data"][0]  # type: ignore[index]
     assert entry["swarm"]["complete"] is True and entry["swarm"]["coverage"] == [[0, 30]]
 
-    # A partial node cannot route yet: 503 naming the layers it lacks.
+    # A partial node answers through a route: its own layers first, then a peer's.
     status, body, headers = http_json(
         b.url + "/v1/chat/completions",
-        {"model": b.model_id, "messages": [{"role": "user", "content": "hi"}]},
+        {"model": b.model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     )
-    assert status == 503 and "15:30" in body["error"]["message"]
-    assert int({k.lower(): v for k, v in headers.items()}["retry-after"]) > 0
+    assert status == 200, body
+    lowered = {k.lower(): v for k, v in headers.items()}
+    assert lowered["x-swarm-route"] == "distributed"
+    assert lowered["x-swarm-nodes"].split(",")[0] == ids[id(b)][-8:]
 
     os.kill(c.proc.pid, signal.SIGKILL)
     c.proc.wait(timeout=10)
