@@ -36,6 +36,7 @@ test: install lint
 
 bench: install
 	$(BIN)/python bench/single_node.py
+	$(BIN)/python bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
