@@ -61,7 +61,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,6 +74,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import platformdirs
+from procstat import free_port, machine_busy_s, process_busy_s
 
 NUM_LAYERS = 30
 CONFIGS: dict[str, list[tuple[int, int]]] = {
@@ -148,29 +148,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # --- CPU use, from /proc ---------------------------------------------------------------
 
-TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds the whole machine has spent busy (not idle, not iowait)."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    values = [int(v) for v in fields[1:9]]
-    return (sum(values) - values[3] - values[4]) / TICK
-
-
-def process_busy_s(pid: int) -> float:
-    """utime + stime of one process, all its threads, in seconds (0 when unreadable)."""
-    try:
-        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(after_name[11]) + int(after_name[12])) / TICK
-
 
 @dataclass(frozen=True)
 class CpuSample:
@@ -232,12 +209,6 @@ def wait_quiet(pids: list[int], quiet_cores: float, timeout_s: float) -> None:
 
 
 # --- the nodes -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class NodeProcess:

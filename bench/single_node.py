@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
+from procstat import free_port, machine_busy_s, process_busy_s
 
 # Greedy SmolLM2-135M-Instruct writes well past 128 tokens of plain English prose for
 # this prompt without an end-of-sequence token (swarmd has no `ignore_eos`), and plain
@@ -147,14 +147,13 @@ class CpuMeter:
         self.quiet_cores = quiet_cores
         self.quiet_timeout_s = quiet_timeout_s
         self.attempts = attempts
-        self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
-        self.available = self._machine_busy() is not None
+        self.available = machine_busy_s() is not None
 
     def snapshot(self) -> tuple[float, float]:
         """(monotonic seconds, foreign busy CPU seconds so far)."""
-        busy = self._machine_busy() or 0
-        own = sum(self._pid_busy(pid) for pid in self.pids)
-        return time.monotonic(), (busy - own) / self._tick
+        busy = machine_busy_s() or 0.0
+        own = sum(process_busy_s(pid) for pid in self.pids)
+        return time.monotonic(), busy - own
 
     def cores_between(self, before: tuple[float, float], after: tuple[float, float]) -> float:
         wall = after[0] - before[0]
@@ -200,26 +199,6 @@ class CpuMeter:
                     flush=True,
                 )
                 warned = True
-
-    @staticmethod
-    def _machine_busy() -> int | None:
-        try:
-            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        except OSError:
-            return None
-        if not fields or fields[0] != "cpu":
-            return None
-        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
-        values = [int(v) for v in fields[1:9]]
-        return sum(values) - values[3] - values[4]
-
-    @staticmethod
-    def _pid_busy(pid: int) -> int:
-        try:
-            after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return 0
-        return int(after_name[11]) + int(after_name[12])  # utime + stime, all threads
 
 
 # --- phase 1: plain transformers -----------------------------------------------------
@@ -303,12 +282,6 @@ def run_plain(
 
 
 # --- phase 2: the swarmd API ---------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def swarmd_command() -> list[str]:

@@ -66,6 +66,8 @@ class Node:
             vocab_size=int(model.config.vocab_size),
             chunk_tokens=config.prefill_chunk_tokens,
             max_failovers=config.max_failovers,
+            # The ring waits a little longer than a stage's own step limit, so a slow
+            # stage reports its timeout before the ring blames silence.
             timeouts=RingTimeouts(
                 open_s=config.stage_open_timeout_s, step_s=config.step_timeout_s + 5.0
             ),
@@ -144,10 +146,6 @@ class Node:
         if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
             return cached[1]
         records = await self.bridge.run(self.swarm.holders, model_id)
-        own = self.swarm.last_record
-        if own is not None and own.model_id == model_id:
-            # A lookup may miss this node's own record; routes must still see its layers.
-            records = [r for r in records if r.peer_id != own.peer_id] + [own]
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -126,27 +127,29 @@ def start_node(
         raise
 
 
-@pytest.fixture(scope="session")
-def embedded_node(
-    smollm_dir: Path, test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def running_node(
+    tmp_path_factory: pytest.TempPathFactory, name: str, args: list[str]
 ) -> Iterator[NodeProcess]:
-    """One node serving the embedded model for the whole session (greedy tests share it)."""
-    workdir = tmp_path_factory.mktemp("embedded-node")
+    """A node on free ports with its own data dir in a fresh temp dir, stopped on exit."""
+    workdir = tmp_path_factory.mktemp(name)
     node = start_node(
-        [
-            "--port",
-            "0",
-            "--cache-dir",
-            str(test_cache_dir),
-            "--data-dir",
-            str(workdir / "data"),
-        ],
-        workdir,
+        ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data"), *args], workdir
     )
     try:
         yield node
     finally:
         node.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_node(
+    smollm_dir: Path, test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    """One node serving the embedded model for the whole session (greedy tests share it)."""
+    args = ["--cache-dir", str(test_cache_dir)]
+    with running_node(tmp_path_factory, "embedded-node", args) as node:
+        yield node
 
 
 def wait_until(predicate: object, timeout_s: float, interval_s: float = 0.05) -> bool:

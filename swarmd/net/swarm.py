@@ -120,11 +120,6 @@ class SwarmPresence:
             self._fail(InternalError(f"the swarm layer failed: {exc!r}"))
 
     @property
-    def last_record(self) -> NodeRecord | None:
-        """The record this node announced last (its own layers, as others see them)."""
-        return self._last_record
-
-    @property
     def failure(self) -> SwarmError | None:
         return self._failure
 
@@ -165,11 +160,16 @@ class SwarmPresence:
             raise self._failure
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
+        """Every live holder of a model, this node included."""
         records = await self.discovery.holders(model_id)
-        if self._gate is None:
-            return records
-        # In a private swarm a record counts only once its owner has proved the key.
-        return [r for r in records if self._gate.allows(r.peer_id)]
+        if self._gate is not None:
+            # In a private swarm a record counts only once its owner has proved the key.
+            records = [r for r in records if self._gate.allows(r.peer_id)]
+        own = self._last_record
+        if own is not None and own.model_id == model_id:
+            # A lookup may miss this node's own record; routes must still see its layers.
+            records = [r for r in records if r.peer_id != own.peer_id] + [own]
+        return records
 
     async def _join(self, discovery: Discovery) -> None:
         if not self.settings.bootstrap:

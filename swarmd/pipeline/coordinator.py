@@ -42,8 +42,8 @@ class Coordinator:
         worker: TorchWorker,
         short_id: str,
         limits: CoordinatorLimits,
-        swarm: SwarmAccess | None = None,
-        chain_settings: ChainSettings | None = None,
+        swarm: SwarmAccess,
+        chain_settings: ChainSettings,
     ) -> None:
         self.model = model
         self.swarm = swarm
@@ -72,10 +72,8 @@ class Coordinator:
         if model.is_whole:
             hop = Hop(self.short_id, model.layers)
             return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
-        if self.swarm is None or self.chain_settings is None:
-            raise SwarmError("this node holds part of the model and has no swarm to route over")
-        route = await plan(self.swarm, self.chain_settings, need_tokens)
-        return DistributedChain(self.swarm, self.chain_settings, route, need_tokens)
+        route, records = await plan(self.swarm, self.chain_settings, need_tokens)
+        return DistributedChain(self.swarm, self.chain_settings, route, records, need_tokens)
 
     @asynccontextmanager
     async def generation(

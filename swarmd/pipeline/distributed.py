@@ -69,10 +69,15 @@ class ChainSettings:
     timeouts: RingTimeouts
 
 
-async def plan(access: SwarmAccess, settings: ChainSettings, need_tokens: int) -> Route:
-    """The best route for a new request, from the DHT's holders (NoRouteError if none)."""
+async def plan(
+    access: SwarmAccess, settings: ChainSettings, need_tokens: int
+) -> tuple[Route, list[NodeRecord]]:
+    """The best route for a new request and the holders' records it came from.
+
+    NoRouteError when the holders do not cover every layer.
+    """
     records = await access.holders(settings.model_id)
-    return plan_route(
+    route = plan_route(
         settings.model_id,
         settings.num_layers,
         access.peer_id,
@@ -81,6 +86,7 @@ async def plan(access: SwarmAccess, settings: ChainSettings, need_tokens: int) -
         banned=access.banned(),
         need_tokens=need_tokens,
     )
+    return route, records
 
 
 def _hops(route: Route) -> list[Hop]:
@@ -89,11 +95,17 @@ def _hops(route: Route) -> list[Hop]:
 
 class DistributedChain:
     def __init__(
-        self, access: SwarmAccess, settings: ChainSettings, route: Route, need_tokens: int
+        self,
+        access: SwarmAccess,
+        settings: ChainSettings,
+        route: Route,
+        records: list[NodeRecord],
+        need_tokens: int,
     ) -> None:
         self._access = access
         self._settings = settings
         self.route = route
+        self._records = records  # the holders the route was planned from (their addresses)
         self.hops = _hops(route)
         self.failovers = 0
         self._need_tokens = need_tokens
@@ -163,7 +175,7 @@ class DistributedChain:
             raise InternalError("open() first")
         self._attempt += 1
         route = self.route
-        records = {r.peer_id: r for r in await self._access.holders(self._settings.model_id)}
+        records = {r.peer_id: r for r in self._records}
         addrs = {p: records[p].addrs for p in route.peers if p in records}
         addrs[self._access.peer_id] = tuple(self._access.listen_addrs())
         request = wire.OpenRequest(
@@ -210,7 +222,7 @@ class DistributedChain:
                 self._excluded.add(peer)
             else:
                 await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
-        records = await self._access.holders(self._settings.model_id)
+        records = self._records = await self._access.holders(self._settings.model_id)
         banned = self._access.banned() | self._excluded
         old = self.route
         if peer is not None and peer in old.peers:
@@ -237,7 +249,7 @@ class DistributedChain:
 
 
 def _dialable(peer_id: str, addrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    ok = [a for a in addrs if a.endswith(f"/p2p/{peer_id}") and len(a) <= wire.MAX_ADDR_CHARS]
+    ok = [a for a in addrs if wire.is_dialable(peer_id, a)]
     return tuple(ok[: wire.MAX_ADDRS_PER_PEER])
 
 

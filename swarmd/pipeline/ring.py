@@ -30,7 +30,7 @@ import trio
 from swarmd.errors import InternalError, MalformedFrameError, PeerError, StageFailedError
 from swarmd.net.rpc import call_ping
 from swarmd.pipeline import wire
-from swarmd.pipeline.stage_service import REPORT_TIMEOUT_S, Link, PendingReturn, StageService
+from swarmd.pipeline.stage_service import REPORT_TIMEOUT_S, Link, StageService
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,6 @@ class Ring:
         self._tx, self._rx = trio.open_memory_channel[_Event](math.inf)
         self._up: Link | None = None
         self._ret: Link | None = None
-        self._pending: PendingReturn | None = None
         self._n = 0
         self._closed = False
 
@@ -77,26 +76,22 @@ class Ring:
     async def open(self) -> None:
         req = self._req
         first, last = req.route[0].peer_id, req.route[-1].peer_id
-        self._pending = self._service.expect_return(req.sid, last)
+        self._service.expect_return(req.sid, last, self._return_arrived)
         try:
             self._up = await self._service.dial(first, req.addrs.get(first, ()))
             await self._up.send(wire.open_frame(req))
         except PeerError as exc:
             raise StageFailedError(f"stage {first[-8:]} unreachable: {exc}", first, "lost") from exc
         self._service.spawn(self._read, "up", self._up)
-        pending = self._pending
-        self._service.spawn(self._announce_ready, pending)
+        opened = False
         with trio.move_on_after(self._timeouts.open_s):
             event = await self._rx.receive()
             if event.source != "ready":
                 raise await self._failure(event)
-        if not pending.arrived.is_set():
+            opened = True
+        if not opened:
             why = f"the route did not open in {self._timeouts.open_s:g} s"
             raise await self._blame_silence(why)
-        self._ret = pending.link
-        if self._ret is None:
-            raise InternalError("return stream missing after it arrived")
-        self._service.spawn(self._read, "ret", self._ret)
 
     async def step(self, token_ids: list[int], want: bool) -> wire.TokenReply:
         if self._up is None or self._ret is None:
@@ -141,11 +136,12 @@ class Ring:
 
     # --- events -------------------------------------------------------------------------
 
-    async def _announce_ready(self, pending: PendingReturn) -> None:
-        with trio.move_on_after(self._timeouts.open_s + 1.0):
-            await pending.arrived.wait()
-            if not self._closed:
-                self._tx.send_nowait(_Event("ready", None))
+    def _return_arrived(self, link: Link) -> None:
+        if self._closed:
+            return
+        self._ret = link
+        self._service.spawn(self._read, "ret", link)
+        self._tx.send_nowait(_Event("ready", None))
 
     async def _read(self, source: str, link: Link) -> None:
         """Every frame of one link as an event, then one event for its end."""

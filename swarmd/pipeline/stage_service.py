@@ -24,7 +24,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import torch
 import trio
@@ -46,8 +46,6 @@ from swarmd.pipeline import wire
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 Compute = Callable[[Callable[[], Any], float, bool], Awaitable[Any]]
 """`await compute(fn, timeout_s, must_run)`: run fn on the torch worker (from trio)."""
 
@@ -66,8 +64,6 @@ class Link(Protocol):
     async def recv(self, timeout_s: float) -> dict[str, Any]: ...
 
     async def close(self) -> None: ...
-
-    async def reset(self) -> None: ...
 
 
 class LoopLink:
@@ -107,9 +103,6 @@ class LoopLink:
         await self._tx.aclose()
         await self._rx.aclose()
 
-    async def reset(self) -> None:
-        await self.close()
-
 
 @dataclass(frozen=True)
 class StageTimeouts:
@@ -123,7 +116,7 @@ class PendingReturn:
     """A ring waiting for its last stage's answer stream."""
 
     peer_id: str  # the only peer allowed to send it
-    arrived: trio.Event = field(default_factory=trio.Event)
+    arrived: Callable[[Link], None]  # called once, with the stream, when it comes
     done: trio.Event = field(default_factory=trio.Event)  # the ring no longer needs it
     link: Link | None = None
 
@@ -194,10 +187,9 @@ class StageService:
             except PeerError as exc:
                 log.debug("dial %s via %s failed: %s", peer_id[-8:], addr, exc)
 
-    def expect_return(self, sid: str, last_peer_id: str) -> PendingReturn:
-        pending = PendingReturn(last_peer_id)
-        self._pending[sid] = pending
-        return pending
+    def expect_return(self, sid: str, last_peer_id: str, arrived: Callable[[Link], None]) -> None:
+        """Hand the return stream of ring `sid`, when `last_peer_id` opens it, to `arrived`."""
+        self._pending[sid] = PendingReturn(last_peer_id, arrived)
 
     def forget_return(self, sid: str) -> None:
         pending = self._pending.pop(sid, None)
@@ -230,7 +222,7 @@ class StageService:
             log.debug("return stream for unknown ring %s from %s", sid, link.peer_id[-8:])
             return  # a ring that gave up already, or not this peer's: close it
         pending.link = link
-        pending.arrived.set()
+        pending.arrived(link)
         await pending.done.wait()  # the stream stays open while the ring reads it
 
     async def _serve_session(self, up: Link, first: dict[str, Any]) -> None:

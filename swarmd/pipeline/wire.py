@@ -39,6 +39,7 @@ import torch
 
 from swarmd.errors import MalformedFrameError, StageRefusedError
 from swarmd.model.layers import LayerRange
+from swarmd.model.loader import DTYPES
 from swarmd.model.sampling import SamplingParams
 
 STAGE_PROTOCOL = "/swarmd/stage/1"
@@ -53,12 +54,7 @@ MAX_WHY_CHARS = 500
 MAX_LOGIT_BIAS = 1024
 FAIL_KINDS = ("lost", "bad", "refused")
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-_DTYPE_NAMES = {v: k for k, v in WIRE_DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}  # hidden states travel in a model dtype
 
 
 @dataclass(frozen=True)
@@ -212,6 +208,11 @@ def ret_frame(sid: str) -> dict[str, Any]:
 # --- checking ---------------------------------------------------------------------------
 
 
+def is_dialable(peer_id: str, addr: str) -> bool:
+    """An address an `open` frame may name for a peer: a full multiaddr of that peer."""
+    return len(addr) <= MAX_ADDR_CHARS and addr.startswith("/") and addr.endswith(f"/p2p/{peer_id}")
+
+
 def frame_type(frame: dict[str, Any]) -> str:
     kind = frame.get("t")
     if kind not in ("open", "ret", "step", "tok", "end", "fail"):
@@ -275,9 +276,9 @@ def parse_step(
 def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The [1, T, H] hidden state of a step frame, checked and cast to `dtype`."""
     name = frame.get("dt")
-    if not isinstance(name, str) or name not in WIRE_DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise MalformedFrameError(f"hidden state of unknown dtype {str(name)[:20]!r}")
-    wire_dtype = WIRE_DTYPES[name]
+    wire_dtype = DTYPES[name]
     shape = frame.get("shape")
     if not isinstance(shape, list) or len(shape) != 2 or not all(type(x) is int for x in shape):
         raise MalformedFrameError("hidden state shape is not [tokens, hidden]")
@@ -417,10 +418,12 @@ def _addrs(value: Any) -> dict[str, tuple[str, ...]]:
         _peer_id(peer, "addrs peer")
         if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS_PER_PEER:
             raise MalformedFrameError(f"addresses of a peer: a list of <= {MAX_ADDRS_PER_PEER}")
-        checked = tuple(_str(a, "addr", MAX_ADDR_CHARS) for a in addrs)
-        if not all(a.startswith("/") and a.endswith(f"/p2p/{peer}") for a in checked):
-            raise MalformedFrameError("an address is not a multiaddr ending in /p2p/<its peer>")
-        out[peer] = checked
+        if not all(isinstance(a, str) and is_dialable(peer, a) for a in addrs):
+            raise MalformedFrameError(
+                f"an address is not a multiaddr of <= {MAX_ADDR_CHARS} characters ending in "
+                "/p2p/<its peer>"
+            )
+        out[peer] = tuple(addrs)
     return out
 
 

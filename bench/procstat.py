@@ -1,0 +1,41 @@
+"""What the benchmarks read from /proc and the socket layer (shared by bench/*.py).
+
+CPU figures come from /proc (Linux): busy seconds of the whole machine and of one
+process, so a benchmark can tell whether other processes were competing for the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds the whole machine has spent busy (not idle, not iowait); None off Linux."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait
+    values = [int(v) for v in fields[1:9]]
+    return (sum(values) - values[3] - values[4]) / TICK
+
+
+def process_busy_s(pid: int) -> float:
+    """utime + stime of one process, all its threads, in seconds (0 when unreadable)."""
+    try:
+        after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(after_name[11]) + int(after_name[12])) / TICK
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
