@@ -1,10 +1,14 @@
-"""Generation across stages: the coordinator's side of every request.
+"""Generation across stages: the coordinator's side of every request, and the stage side.
 
-- `coordinator.py`  `Coordinator`: admission, route choice, the DIAG line per request
-- `generation.py`   `Generation`: chunked prefill, decode loop, stop strings, timings
-- `chain.py`        `StageChain` protocol, `Hop`, `LocalChain` (this node holds all layers)
-- `report.py`       `RequestRecord` (the DIAG line), `RequestRing` (recent requests)
-- `route.py`        `plan_route` / `replan`: the pure route planner for distributed
-                    generation (shortest path over layer boundaries, standbys, NoRouteError);
-                    not yet used by the coordinator
+- `coordinator.py`    `Coordinator`: admission, route choice, the DIAG line per request
+- `generation.py`     `Generation`: chunked prefill, decode loop, stop strings, timings
+- `chain.py`          `StageChain` protocol, `Hop`, `LocalChain` (this node holds all layers)
+- `route.py`          `plan_route` / `replan`: the pure route planner (shortest path over
+                      layer boundaries, standbys, NoRouteError)
+- `distributed.py`    `DistributedChain`: a route over peers, with failover and replay
+- `ring.py`           `Ring`: the coordinator's end of one session on one route (trio)
+- `stage_service.py`  `StageService`: every node's stage end of `/swarmd/stage/1` (trio),
+                      `LoopLink` for a route through this node itself
+- `wire.py`           the stage protocol's frames and every check on them (pure)
+- `report.py`         `RequestRecord` (the DIAG line), `RequestRing` (recent requests)
 """
