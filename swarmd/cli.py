@@ -7,12 +7,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from swarmd import __version__
 from swarmd.errors import SwarmError
+from swarmd.model.manifest import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from swarmd.model.manifest import Manifest
 
 app = typer.Typer(
     help="swarmd: one OpenAI-compatible LLM server made of the machines you own.",
@@ -166,6 +170,85 @@ def peers(
     console.print(table)
     for ban in report["bans"]:
         console.print(f"banned {ban['peer_id']}: {ban['reason']} ({ban['remaining_s']:.0f} s left)")
+
+
+@app.command()
+def shard(
+    source: Annotated[str, typer.Argument(help="GGUF file, Hugging Face folder or model id.")],
+    out: Annotated[Path, typer.Option(help="New folder for the manifest and the shards.")],
+    stages: Annotated[
+        int | None, typer.Option(help="Split into N ranges of (nearly) equal size.")
+    ] = None,
+    ranges: Annotated[
+        str | None, typer.Option(help="Explicit ranges covering every layer: 0:10,10:20,...")
+    ] = None,
+    model_id: Annotated[
+        str | None, typer.Option(help="The id nodes will find it by (default: from SOURCE).")
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Store weights as float32, float16 or bfloat16.")
+    ] = None,
+    chunk_bytes: Annotated[
+        int, typer.Option(help="Transfer piece size; each piece's SHA-256 is in the manifest.")
+    ] = DEFAULT_CHUNK_BYTES,
+    cache_dir: Annotated[Path | None, typer.Option(help="Where GGUF files are converted.")] = None,
+) -> None:
+    """Split a model into a manifest plus one .safetensors file per layer range."""
+    _setup_logging("INFO")
+    try:
+        manifest = _write_shards(
+            source, out, stages, ranges, model_id, dtype, chunk_bytes, cache_dir
+        )
+    except SwarmError as exc:
+        typer.echo(f"swarmd: error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    for entry in manifest.shards:
+        size_mb = entry.bytes / 1e6
+        typer.echo(f"{entry.start:>5}:{entry.end:<5} {entry.file} {size_mb:9.1f} MB {entry.sha256}")
+    typer.echo(f"model {manifest.model_id}, content id {manifest.content_id}")
+    typer.echo(f"serve a range with: swarmd run --model {out} --layers START:END")
+
+
+def _write_shards(
+    source: str,
+    out: Path,
+    stages: int | None,
+    ranges: str | None,
+    model_id: str | None,
+    dtype: str | None,
+    chunk_bytes: int,
+    cache_dir: Path | None,
+) -> Manifest:
+    from swarmd.config import DTYPES, default_cache_dir
+    from swarmd.errors import ConfigError
+    from swarmd.model.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+    from swarmd.model.shards import ShardPlan, even_ranges, parse_ranges, read_config, write_shards
+    from swarmd.model.source import resolve_model
+
+    if (stages is None) == (ranges is None):
+        raise ConfigError("give either --stages N or --ranges A:B,B:C,...")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ConfigError(f"--chunk-bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}")
+    resolved = resolve_model(source, cache_dir or default_cache_dir())
+    if resolved.manifest is not None:
+        raise ConfigError(f"{source} is already sharded; shard the original model instead")
+    num_layers = int(read_config(resolved.model_dir)["num_hidden_layers"])  # type: ignore[call-overload]
+    layer_ranges = (
+        even_ranges(num_layers, stages)
+        if stages is not None
+        else parse_ranges(ranges or "", num_layers)
+    )
+    plan = ShardPlan(
+        model_id=model_id or resolved.model_id,
+        source_dir=resolved.model_dir,
+        ranges=tuple(layer_ranges),
+        out_dir=out,
+        dtype=dtype,
+        chunk_bytes=chunk_bytes,
+    )
+    return write_shards(plan)
 
 
 @app.command()

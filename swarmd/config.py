@@ -34,7 +34,7 @@ def _default_data_dir() -> Path:
     return Path(platformdirs.user_data_dir("swarmd"))
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("swarmd"))
 
 
@@ -45,7 +45,7 @@ class Config:
     model: str = "smollm2-135m-instruct"  # model id or path (HF dir with safetensors, or .gguf)
     data_dir: Path = field(default_factory=_default_data_dir)  # identity key, node state
     # (load_config defaults it to <user data dir>/node-<port>: one identity per node)
-    cache_dir: Path = field(default_factory=_default_cache_dir)  # converted models, per user
+    cache_dir: Path = field(default_factory=default_cache_dir)  # converted models, per user
     dtype: str = "float32"  # one of DTYPES
     torch_threads: int = 0  # 0 = torch's default (all cores)
     prefill_chunk_tokens: int = 256  # prompt tokens per forward step
@@ -55,7 +55,11 @@ class Config:
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     log_level: str = "INFO"  # one of LOG_LEVELS
-    layers: str = ""  # "START:END" to serve part of the model; "" = every layer
+    layers: str = ""  # "START:END" to serve part of the model; "" = every layer; "auto"
+    memory_budget_gb: float = 0.0  # memory for this node's layers (--layers auto); 0 = free now
+    max_file_transfers: int = 4  # model files served to peers at once
+    upload_limit_mb_s: float = 0.0  # MB/s of model files served to peers; 0 = no limit
+    fetch_timeout_s: float = 600.0  # a model file no peer can supply this long: give up
     p2p_host: str = "127.0.0.1"  # libp2p listen address (0.0.0.0 lets other machines in)
     p2p_port: int = -1  # libp2p TCP port; -1 = API port + 10 (any free port if port is 0)
     bootstrap: tuple[str, ...] = ()  # multiaddrs (/ip4/.../tcp/.../p2p/...) of swarm peers
@@ -88,7 +92,14 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
     "default_temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
     "log_level": (lambda v: v in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}"),
-    "layers": (lambda v: v == "" or v.count(":") == 1, "START:END (e.g. 0:15) or empty"),
+    "layers": (
+        lambda v: v in ("", "auto") or v.count(":") == 1,
+        "START:END (e.g. 0:15), auto, or empty",
+    ),
+    "memory_budget_gb": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "max_file_transfers": (lambda v: v >= 1, ">= 1"),
+    "upload_limit_mb_s": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "fetch_timeout_s": (_finite_positive, "a finite number > 0"),
     "p2p_host": (lambda v: v != "", "a non-empty address"),
     "p2p_port": (lambda v: -1 <= v <= 65535, "in -1..65535 (-1 = API port + 10, 0 = any)"),
     "bootstrap": (

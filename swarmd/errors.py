@@ -5,7 +5,10 @@
     ├── IdentityError               unreadable or unsafe identity key
     ├── ModelError
     │   ├── ModelNotFoundError      unknown model id / path            -> 404
-    │   └── ModelLoadError          weights or tokenizer unusable
+    │   ├── ModelLoadError          weights or tokenizer unusable
+    │   │   ├── ManifestError       a manifest that is invalid, or not the content id asked for
+    │   │   └── ShardHashError      a file whose SHA-256 is not the manifest's (both named)
+    │   └── FetchError              no holder could supply a file of the model
     ├── RequestError                the client's fault                 -> 400
     │   ├── InvalidRequestError     a bad parameter (names `param`)
     │   ├── UnsupportedError        a valid OpenAI feature we do not serve
@@ -64,14 +67,32 @@ class ModelError(SwarmError):
 
 
 class ModelNotFoundError(ModelError):
-    def __init__(self, model: str, known: list[str] | None = None) -> None:
+    def __init__(self, model: str, known: list[str] | None = None, hint: str = "") -> None:
         self.model = model
-        hint = f" (this node serves: {', '.join(known)})" if known else ""
-        super().__init__(f"The model '{model}' does not exist{hint}")
+        serves = f" (this node serves: {', '.join(known)})" if known else ""
+        super().__init__(f"The model '{model}' does not exist{serves}{hint}")
 
 
 class ModelLoadError(ModelError):
     """Weights, config or tokenizer of a model are unusable."""
+
+
+class ManifestError(ModelLoadError):
+    """A manifest that cannot be read, breaks a rule, or has another content id."""
+
+
+class ShardHashError(ModelLoadError):
+    def __init__(self, path: str, expected: str, actual: str) -> None:
+        self.path = path
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"{path} does not match its manifest: expected SHA-256 {expected}, got {actual}"
+        )
+
+
+class FetchError(ModelError):
+    """No holder in the swarm could supply a file (or the manifest) of a model."""
 
 
 class RequestError(SwarmError):

@@ -19,16 +19,17 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from swarmd import __version__
+from swarmd.acquire import acquire
 from swarmd.api.app import create_app
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ConfigError, InternalError, SwarmError
 from swarmd.model.loader import DTYPES, LoadedModel, load_model
 from swarmd.model.runtime import StageRuntime
-from swarmd.model.source import resolve_model
 from swarmd.model.worker import TorchWorker
 from swarmd.net.auth import load_swarm_key
 from swarmd.net.bridge import TrioBridge
+from swarmd.net.files import FileServer, FileServeSettings
 from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.peers import BanRow, PeerRow
@@ -77,8 +78,9 @@ class Node:
         )
         self.bridge = TrioBridge()
         self.swarm = SwarmPresence(
-            identity, _swarm_settings(config), self._make_record, self._run_stage_service
+            identity, _swarm_settings(config), self._make_record, self._run_services
         )
+        self.file_server: FileServer | None = None
         self._stage_service: StageService | None = None
         self.started_at = time.monotonic()
         self.started_wall = time.time()
@@ -91,8 +93,10 @@ class Node:
         """The blocking part of start-up: identity and model loading."""
         identity = load_or_create_identity(Path(config.data_dir))
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
-        source = resolve_model(config.model, Path(config.cache_dir))
-        model = load_model(source, config.layers or None, config.dtype)
+        # Settled before anything loads: the files (fetched from peers if need be) and
+        # the layer range (chosen from the swarm's coverage with --layers auto).
+        acquired = acquire(config, identity, _swarm_settings(config))
+        model = load_model(acquired.source, acquired.layers or None, config.dtype)
         return cls(config, identity, model)
 
     async def start(self) -> None:
@@ -146,6 +150,10 @@ class Node:
         if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
             return cached[1]
         records = await self.bridge.run(self.swarm.holders, model_id)
+        # Only holders of the same weights, split the same way (the same manifest, or
+        # none on both sides): a hidden state means nothing to other weights.
+        own_hash = self.model.source.content_id
+        records = [r for r in records if r.model_hash == own_hash]
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 
@@ -193,9 +201,19 @@ class Node:
     async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self.bridge.run(fn, *args)
 
-    async def _run_stage_service(self, host: P2PHost) -> None:
-        """Trio side: serve the stage protocol for as long as the host runs."""
+    async def _run_services(self, host: P2PHost) -> None:
+        """Trio side: serve the model's files and the stage protocol while the host runs."""
         model = self.model
+        manifest = model.source.manifest
+        if manifest is not None:
+            settings = FileServeSettings(
+                max_transfers=self.config.max_file_transfers,
+                upload_bytes_per_s=self.config.upload_limit_mb_s * 1e6,
+            )
+            # Verified at start-up: the files of its layers (others are hashed when asked for).
+            verified = manifest.files_for(model.layers)
+            self.file_server = FileServer(model.source.model_dir, manifest, verified, settings)
+            self.file_server.register(self.swarm.rpc)
         limits = StageLimits(
             peer_id=self.identity.peer_id,
             model_id=model.model_id,
@@ -231,7 +249,7 @@ class Node:
         return NodeRecord(
             peer_id=self.identity.peer_id,
             model_id=model.model_id,
-            model_hash="",
+            model_hash=model.source.content_id,
             layer_start=model.layers.start,
             layer_end=model.layers.end,
             num_layers=model.num_layers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from swarmd.errors import ConfigError
@@ -43,3 +44,16 @@ class LayerRange:
 
     def __str__(self) -> str:
         return f"{self.start}:{self.end}"
+
+
+def tiling_problem(ranges: Iterable[tuple[int, int]], num_layers: int) -> str | None:
+    """What keeps `ranges` from covering [0, num_layers) in order, once each; None if
+    nothing does (the rule for the shards of a manifest)."""
+    at = 0
+    for start, end in ranges:
+        if start != at or end <= start:
+            return f"{start}:{end} where layer {at} comes next"
+        at = end
+    if at != num_layers:
+        return f"the ranges end at layer {at}, the model has {num_layers}"
+    return None

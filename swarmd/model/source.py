@@ -1,8 +1,9 @@
-"""Finding a model on disk: the embedded default, a GGUF file or a Hugging Face folder.
+"""Finding a model on disk: the embedded default, a GGUF file, a Hugging Face folder or a
+sharded model (a folder with `manifest.json`, or the manifest file itself).
 
-Every source ends up as a Hugging Face style folder (config.json, tokenizer files,
-safetensors). A GGUF file is converted once into the user's cache directory, under a
-lock, so the next start (of this node or of another local node) loads in about a second.
+Every source ends up as a folder. A GGUF file is converted once into the user's cache
+directory, under a lock, so the next start (of this node or of another local node) loads
+in about a second. A sharded model's folder is used as it is, with its manifest.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarmd.errors import ModelLoadError, ModelNotFoundError
+from swarmd.errors import ManifestError, ModelLoadError, ModelNotFoundError
+from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,13 @@ _DONE_MARKER = ".swarmd-complete"
 @dataclass(frozen=True)
 class ModelSource:
     model_id: str
-    model_dir: Path  # Hugging Face layout: config.json, tokenizer, *.safetensors
+    model_dir: Path  # Hugging Face layout (config.json, tokenizer, *.safetensors) or shards
+    manifest: Manifest | None = None  # a sharded model: every file is checked against it
+
+    @property
+    def content_id(self) -> str:
+        """The manifest's content id ("" for a model that has no manifest)."""
+        return self.manifest.content_id if self.manifest is not None else ""
 
 
 def embedded_gguf_path() -> Path:
@@ -55,11 +63,26 @@ def resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     if spec == EMBEDDED_MODEL_ID:
         return ModelSource(EMBEDDED_MODEL_ID, convert_gguf(embedded_gguf_path(), cache_dir))
     path = Path(spec).expanduser()
+    manifest_path = path / MANIFEST_FILE if path.is_dir() else path
+    if manifest_path.name == MANIFEST_FILE and manifest_path.is_file():
+        manifest = read_manifest(manifest_path)
+        return ModelSource(manifest.model_id, manifest_path.parent.resolve(), manifest)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource(_id_from_name(path.stem), convert_gguf(path, cache_dir))
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(_id_from_name(path.name), path.resolve())
     raise ModelNotFoundError(spec, [EMBEDDED_MODEL_ID])
+
+
+def read_manifest(path: Path, expected_id: str | None = None) -> Manifest:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ModelLoadError(f"Cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        return parse_manifest(raw, expected_id)
+    except ManifestError as exc:
+        raise ManifestError(f"{path}: {exc}") from exc
 
 
 def _id_from_name(name: str) -> str:
@@ -75,7 +98,7 @@ def _file_sha256(path: Path) -> str:
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def exclusive(lock_path: Path) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -93,7 +116,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     if (target / _DONE_MARKER).exists():
         return target
     # Several local nodes may start together: one converts, the others wait and reuse.
-    with _exclusive(models / f"{target.name}.lock"):
+    with exclusive(models / f"{target.name}.lock"):
         if (target / _DONE_MARKER).exists():
             return target
         log.info("converting %s to safetensors once, into %s (about 20 s)", gguf.name, target)

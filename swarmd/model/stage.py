@@ -187,11 +187,17 @@ def _stage_config(config: PretrainedConfig, layers: LayerRange) -> PretrainedCon
     return stage_config
 
 
-def stage_weight_names(stage: StageModule, config: PretrainedConfig) -> dict[str, str]:
-    """Map each parameter name of the stage to its name in a Hugging Face checkpoint."""
+def stage_weight_names(
+    stage: StageModule, config: PretrainedConfig, has_head: bool = False
+) -> dict[str, str]:
+    """Map each parameter name of the stage to its name in a Hugging Face checkpoint.
+
+    `has_head`: the checkpoint has its own `lm_head.weight`, as a last shard written by
+    `swarmd shard` has even for a model that ties the head to the embeddings.
+    """
     layers = stage.layers_range
     names: dict[str, str] = {}
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", False)) and not has_head
     for name, _ in stage.named_parameters():
         if name.startswith("embed."):
             names[name] = "model.embed_tokens." + name.removeprefix("embed.")
@@ -207,13 +213,16 @@ def stage_weight_names(stage: StageModule, config: PretrainedConfig) -> dict[str
     return names
 
 
-def _tensor_files(model_dir: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of a checkpoint directory."""
+def tensor_files(model_dir: Path, only: list[Path] | None = None) -> dict[str, Path]:
+    """Which safetensors file holds each tensor of a checkpoint directory.
+
+    `only`: look in these files alone (the shards of a node's range), never the rest.
+    """
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
+    if only is None and index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob("*.safetensors")) if only is None else only
     if not files:
         raise ModelLoadError(f"No .safetensors files in {model_dir}")
     located: dict[str, Path] = {}
@@ -225,12 +234,19 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
 
 
 def load_stage(
-    model_dir: Path, config: PretrainedConfig, layers: LayerRange, dtype: torch.dtype
+    model_dir: Path,
+    config: PretrainedConfig,
+    layers: LayerRange,
+    dtype: torch.dtype,
+    only: list[Path] | None = None,
 ) -> StageModule:
-    """Build the stage for `layers` and read only its tensors from `model_dir`."""
+    """Build the stage for `layers` and read only its tensors from `model_dir`.
+
+    `only`: the files to read (a sharded model's shards for this range).
+    """
     stage = StageModule(config, layers)
-    names = stage_weight_names(stage, config)
-    files = _tensor_files(model_dir)
+    files = tensor_files(model_dir, only)
+    names = stage_weight_names(stage, config, has_head="lm_head.weight" in files)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for stage_name, ckpt_name in names.items():
         if ckpt_name not in files:

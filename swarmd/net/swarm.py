@@ -45,11 +45,13 @@ class SwarmPresence:
         self,
         identity: Identity,
         settings: SwarmSettings,
-        make_record: Callable[[P2PHost], NodeRecord],
+        make_record: Callable[[P2PHost], NodeRecord] | None,
         services: Callable[[P2PHost], Awaitable[None]] | None = None,
     ) -> None:
-        """`services(host)`: more protocols on this host (e.g. the stage service); it runs
-        for as long as the host, and is cancelled with it."""
+        """`make_record(host)`: this node's record; None joins without announcing anything
+        (a node that still looks for its files). `services(host)`: more protocols on this
+        host (e.g. the stage service); it runs for as long as the host, and is cancelled
+        with it."""
         self.identity = identity
         self._services = services
         self.settings = settings
@@ -62,12 +64,20 @@ class SwarmPresence:
         self._last_record: NodeRecord | None = None
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
         self._gate: SwarmGate | None = None
+        self._rpc: RpcService | None = None
 
     @property
     def host(self) -> P2PHost:
         if self._host is None:
             raise InternalError("the libp2p host is not running")
         return self._host
+
+    @property
+    def rpc(self) -> RpcService:
+        """The host's `/swarmd/rpc/1` service, to register more methods on."""
+        if self._rpc is None:
+            raise InternalError("the RPC service is not running")
+        return self._rpc
 
     @property
     def discovery(self) -> Discovery:
@@ -91,7 +101,7 @@ class SwarmPresence:
             ):
                 host.admits = self._admits
                 host.misbehaved = self.ban
-                RpcService(host)
+                self._rpc = RpcService(host)
                 if self.settings.swarm_key is not None:
                     self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
                     nursery.start_soon(self._gate.watch)
@@ -102,6 +112,9 @@ class SwarmPresence:
                 self.addrs = host.addrs
                 try:
                     await self._join(discovery)
+                    if self._make_record is None:
+                        self._ready.set()
+                        await trio.sleep_forever()
                     await self._announce()
                     self._ready.set()
                     await self._renew_forever()
@@ -111,7 +124,7 @@ class SwarmPresence:
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(WITHDRAW_TIMEOUT_S):
                         await self._withdraw()
-                    self._host = self._discovery = None
+                    self._host = self._discovery = self._rpc = None
                     nursery.cancel_scope.cancel()
         except SwarmError as exc:
             self._fail(exc)
@@ -151,7 +164,7 @@ class SwarmPresence:
 
     async def announce_now(self) -> None:
         """Renew the records at once (e.g. once the API address is known)."""
-        if self._discovery is not None:
+        if self._discovery is not None and self._make_record is not None:
             await self._announce()
 
     async def wait_ready(self) -> None:
@@ -181,6 +194,8 @@ class SwarmPresence:
         log.info("joined the swarm through %d bootstrap peer(s)", len(joined))
 
     async def _announce(self) -> None:
+        if self._make_record is None:
+            return
         record = self._make_record(self.host)
         await self.discovery.announce(self.identity, record)
         self._last_record = record

@@ -10,5 +10,6 @@
 - `stage_service.py`  `StageService`: every node's stage end of `/swarmd/stage/1` (trio),
                       `LoopLink` for a route through this node itself
 - `wire.py`           the stage protocol's frames and every check on them (pure)
+- `placement.py`      `choose_layers`: the range a joining node serves with `--layers auto` (pure)
 - `report.py`         `RequestRecord` (the DIAG line), `RequestRing` (recent requests)
 """

@@ -1,0 +1,276 @@
+"""Before a node loads anything: which model files, which layers, fetched if need be.
+
+`acquire(config, identity)` settles the node's `ModelSource` and layer range:
+
+- a local model (the embedded id, a GGUF file, a Hugging Face folder, a sharded folder)
+  with an explicit range needs nothing from the swarm;
+- `--layers auto` asks the swarm which layers are covered and picks a range
+  (`pipeline.placement.choose_layers`, sized by the memory budget);
+- a model id that is not on this machine (or a sharded folder that lacks the files of
+  the range) is fetched: its holders are found through the DHT, the manifest is taken
+  from one of them (checked against the content id their records name), and the files
+  of the range are downloaded chunk by chunk (`net.fetch.Fetcher`) with a progress bar.
+
+The swarm part runs in its own short trio run, on a host that joins without announcing
+anything: the node announces only once it has loaded and verified what it serves. It
+blocks: the node calls it from its start-up thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from swarmd.config import Config
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError
+from swarmd.model.layers import LayerRange
+from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
+from swarmd.model.shards import missing_files
+from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, exclusive, resolve_model
+from swarmd.net.fetch import Fetcher, FetchSettings
+from swarmd.net.files import call_manifest
+from swarmd.net.identity import Identity
+from swarmd.net.progress import RichProgress
+from swarmd.net.swarm import SwarmPresence, SwarmSettings
+from swarmd.pipeline.placement import Placement, choose_layers
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_SHARE = 0.8  # of the memory budget; the rest is for KV caches and activations
+JOIN_TIMEOUT_S = 60.0
+_SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Acquired:
+    source: ModelSource
+    layers: str  # "START:END", or "" for every layer
+
+
+def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
+    """The model source and layer range this node will load (blocking)."""
+    cache_dir = Path(config.cache_dir)
+    local = _local_source(config.model, cache_dir)
+    wants_auto = config.layers == "auto"
+    if local is not None and not wants_auto and not _lacks_files(local, config.layers):
+        return Acquired(local, config.layers)
+    if not config.bootstrap:
+        return _without_swarm(config, local, cache_dir)
+    job = _SwarmJob(config, identity, settings, local, cache_dir)
+    return trio.run(job.run)
+
+
+def _local_source(spec: str, cache_dir: Path) -> ModelSource | None:
+    """The model on this machine, or None for an id to look for in the swarm."""
+    try:
+        return resolve_model(spec, cache_dir)
+    except ModelNotFoundError:
+        if Path(spec).expanduser().exists():
+            raise  # a path that is there but is no model: say so, do not search
+        return None
+
+
+def _lacks_files(source: ModelSource, layers: str) -> bool:
+    manifest = source.manifest
+    if manifest is None:
+        return False
+    wanted = LayerRange.parse(layers, manifest.num_layers) if layers else _whole(manifest)
+    return bool(missing_files(source.model_dir, manifest.files_for(wanted)))
+
+
+def _whole(manifest: Manifest) -> LayerRange:
+    return LayerRange(0, manifest.num_layers)
+
+
+def _without_swarm(config: Config, local: ModelSource | None, cache_dir: Path) -> Acquired:
+    """No bootstrap: a cached copy of a fetched model, or this node is the whole swarm."""
+    source = local or _cached(config.model, cache_dir)
+    if source is None:
+        raise ModelNotFoundError(
+            config.model,
+            [EMBEDDED_MODEL_ID],
+            hint="; to fetch it from a swarm, give --bootstrap with a peer that serves it",
+        )
+    layers = config.layers
+    if layers == "auto":
+        placement = _place(config, source, source.manifest, [])
+        layers = str(placement.layers)
+    if _lacks_files(source, layers):
+        raise FetchError(
+            f"{source.model_dir} lacks files for layers {layers or 'all'}; give --bootstrap "
+            "with a peer that serves them to fetch them"
+        )
+    return Acquired(source, layers)
+
+
+def _cached(model_id: str, cache_dir: Path) -> ModelSource | None:
+    """The most recently fetched manifest of `model_id` in the cache, if any."""
+    found = sorted(
+        (cache_dir / "shards").glob(f"{_SAFE_ID.sub('-', model_id)}-*/{MANIFEST_FILE}"),
+        key=lambda p: p.stat().st_mtime,
+    )
+    if not found:
+        return None
+    source = resolve_model(str(found[-1]), cache_dir)
+    return source if source.model_id == model_id else None
+
+
+def _fetch_folder(cache_dir: Path, model_id: str, content_id: str) -> Path:
+    return cache_dir / "shards" / f"{_SAFE_ID.sub('-', model_id)}-{content_id[:16]}"
+
+
+def _place(
+    config: Config, source: ModelSource | None, manifest: Manifest | None, held: list[LayerRange]
+) -> Placement:
+    budget = (
+        int(config.memory_budget_gb * 1e9) if config.memory_budget_gb else available_memory_bytes()
+    )
+    per_layer = layer_weight_bytes(source, manifest, config.dtype)
+    placement = choose_layers(len(per_layer), per_layer, held, int(budget * WEIGHTS_SHARE))
+    log.info(
+        "--layers auto chose %s: %s (memory budget %.1f GB%s, %d%% of it for weights)",
+        placement.layers,
+        placement.reason,
+        budget / 1e9,
+        "" if config.memory_budget_gb else ", the memory free now",
+        int(WEIGHTS_SHARE * 100),
+    )
+    return placement
+
+
+class _SwarmJob:
+    """The trio part: join, find the holders, take a manifest, place, fetch."""
+
+    def __init__(
+        self,
+        config: Config,
+        identity: Identity,
+        settings: SwarmSettings,
+        local: ModelSource | None,
+        cache_dir: Path,
+    ) -> None:
+        self._config = config
+        self._local = local
+        self._cache_dir = cache_dir
+        # The node's own port: peers that saw this host keep dialing the address the
+        # node will listen on once it serves (the same peer id, the same address).
+        self._presence = SwarmPresence(identity, settings, None)
+
+    async def run(self) -> Acquired:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._presence.run)
+            with trio.fail_after(JOIN_TIMEOUT_S):
+                await self._presence.wait_ready()
+            try:
+                return await self._acquire()
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _acquire(self) -> Acquired:
+        model_id = self._local.model_id if self._local is not None else self._config.model
+        records = await self._presence.holders(model_id)
+        local_manifest = self._local.manifest if self._local is not None else None
+        if self._local is not None and local_manifest is None:
+            # A local unsharded model: the swarm only tells which layers are covered.
+            held = [_range(r) for r in records if r.model_hash == ""]
+            placement = _place(self._config, self._local, None, held)
+            return Acquired(self._local, str(placement.layers))
+        if local_manifest is not None:
+            manifest, folder = local_manifest, self._local.model_dir  # type: ignore[union-attr]
+        else:
+            manifest = await self._take_manifest(model_id, records)
+            folder = _fetch_folder(self._cache_dir, model_id, manifest.content_id)
+        same = [r for r in records if r.model_hash == manifest.content_id]
+        layers = self._config.layers
+        if layers == "auto":
+            held = [_range(r) for r in same]
+            layers = str(_place(self._config, None, manifest, held).layers)
+        wanted = LayerRange.parse(layers, manifest.num_layers) if layers else _whole(manifest)
+        await self._fetch(manifest, folder, model_id, wanted)
+        return Acquired(ModelSource(model_id, folder, manifest), layers)
+
+    async def _take_manifest(self, model_id: str, records: list[NodeRecord]) -> Manifest:
+        """The manifest most holders announce, from the first holder that sends it intact."""
+        ids = Counter(r.model_hash for r in records if r.model_hash)
+        if not ids:
+            raise ModelNotFoundError(
+                model_id,
+                hint=f": no peer of the swarm serves a sharded '{model_id}' "
+                f"({len(records)} holder(s) without a manifest)",
+            )
+        content_id, count = ids.most_common(1)[0]
+        if len(ids) > 1:
+            log.warning(
+                "peers serve %d versions of %s; taking %s (held by %d)",
+                len(ids),
+                model_id,
+                content_id[:16],
+                count,
+            )
+        for record in records:
+            if record.model_hash != content_id:
+                continue
+            try:
+                raw = await call_manifest(self._presence.host, record.peer_id, content_id)
+                manifest = parse_manifest(raw, expected_id=content_id)
+            except PeerError as exc:
+                log.warning("no manifest from %s: %s", record.peer_id[-8:], exc)
+                continue
+            except ManifestError as exc:
+                await self._presence.ban(record.peer_id, f"sent a bad manifest: {exc}")
+                continue
+            folder = _fetch_folder(self._cache_dir, model_id, content_id)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / MANIFEST_FILE).write_bytes(manifest.to_json())
+            log.info(
+                "took the manifest of %s (%s) from %s",
+                model_id,
+                content_id[:16],
+                record.peer_id[-8:],
+            )
+            return manifest
+        raise FetchError(f"No holder of {model_id} ({content_id[:12]}) sent its manifest")
+
+    async def _fetch(
+        self, manifest: Manifest, folder: Path, model_id: str, wanted: LayerRange
+    ) -> None:
+        entries = missing_files(folder, manifest.files_for(wanted))
+        if not entries:
+            return
+        total = sum(e.bytes for e in entries)
+        log.info(
+            "fetching %d file(s), %.1f MB, of %s layers %s from the swarm",
+            len(entries),
+            total / 1e6,
+            model_id,
+            wanted,
+        )
+
+        async def lookup() -> list[NodeRecord]:
+            return await self._presence.holders(model_id)
+
+        settings = FetchSettings(deadline_s=self._config.fetch_timeout_s)
+        # Two local nodes may fetch into one cache: one fetches, the other finds the files.
+        with exclusive(folder.parent / f"{folder.name}.lock"), RichProgress() as progress:
+            entries = missing_files(folder, entries)
+            fetcher = Fetcher(
+                self._presence.host,
+                manifest,
+                folder,
+                lookup,
+                self._presence.ban,
+                settings,
+                progress,
+            )
+            await fetcher.fetch(entries)
+
+
+def _range(record: NodeRecord) -> LayerRange:
+    return LayerRange(record.layer_start, record.layer_end)

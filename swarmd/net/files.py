@@ -1,0 +1,205 @@
+"""Model files between nodes (trio): a holder serves its manifest and verified files.
+
+Two remote calls on `/swarmd/rpc/1` (one framing, one timeout per call, see `rpc.py`):
+
+    manifest    {"model": content_id}                       -> {"manifest": bin}
+    file_chunk  {"model": content_id, "file": str, "index": int} -> {"data": bin}
+
+A chunk is the `index`-th `chunk_bytes` piece of the file, as the manifest cuts it, so
+the caller checks it against the manifest's chunk hash on arrival. A holder serves the
+manifest's files that are in its folder and match their hash: the ones it loaded were
+verified at start-up; any other (a seed node may hold every shard and serve only a few
+layers) is hashed the first time a peer asks for it. Nothing else on its disk is served.
+
+Limits: at most `max_transfers` transfers at once (a transfer is one peer fetching one
+file; it stays counted until its last chunk or until idle for TRANSFER_IDLE_S), and an
+optional upload rate shared by all of them. A peer over the cap gets an `OverloadedError`
+answer and tries another holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from swarmd.errors import MalformedFrameError, ModelNotFoundError, OverloadedError
+from swarmd.model.manifest import FileEntry, Manifest
+from swarmd.model.shards import file_sha256
+from swarmd.net.host import P2PHost
+from swarmd.net.rpc import RpcService, call
+
+log = logging.getLogger(__name__)
+
+METHOD_MANIFEST = "manifest"
+METHOD_CHUNK = "file_chunk"
+TRANSFER_IDLE_S = 15.0  # a transfer with no chunk asked for this long no longer counts
+MANIFEST_TIMEOUT_S = 10.0
+CHUNK_TIMEOUT_S = 60.0  # one chunk, including a wait under the upload limit
+_MAX_NAME_CHARS = 128
+
+
+@dataclass(frozen=True)
+class FileServeSettings:
+    max_transfers: int = 4  # peers x files being served at once
+    upload_bytes_per_s: float = 0.0  # shared by every transfer; 0 = no limit
+
+
+class FileServer:
+    """The holder side for one model: its manifest and the files this node verified."""
+
+    def __init__(
+        self,
+        folder: Path,
+        manifest: Manifest,
+        verified: list[FileEntry],
+        settings: FileServeSettings,
+    ) -> None:
+        self._folder = folder
+        self._manifest = manifest
+        self._manifest_bytes = manifest.to_json()
+        self._content_id = manifest.content_id
+        self._files = {e.file: e for e in (*manifest.files, *manifest.shards)}
+        self._checked: dict[str, bool] = {entry.file: True for entry in verified}
+        self._checking = trio.Lock()
+        self._settings = settings
+        self._active: dict[tuple[str, str], float] = {}  # (peer, file) -> last chunk time
+        self._next_free = 0.0  # when the upload limit lets the next byte out (trio clock)
+        self.bytes_sent = 0
+
+    def register(self, rpc: RpcService) -> None:
+        rpc.register(METHOD_MANIFEST, self.rpc_manifest, max_concurrency=8)
+        rpc.register(
+            METHOD_CHUNK,
+            self.rpc_file_chunk,
+            max_concurrency=2 * self._settings.max_transfers,
+            timeout_s=CHUNK_TIMEOUT_S,
+        )
+
+    @property
+    def active_transfers(self) -> int:
+        self._expire(trio.current_time())
+        return len(self._active)
+
+    async def rpc_manifest(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(args.get("model"))
+        return {"manifest": self._manifest_bytes}
+
+    async def rpc_file_chunk(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        self._check_model(args.get("model"))
+        name, index = args.get("file"), args.get("index")
+        if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
+            raise MalformedFrameError("file_chunk: 'file' must be a file name", peer_id)
+        entry = self._files.get(name)
+        if entry is None or not await self._holds(entry):
+            raise ModelNotFoundError(f"{self._content_id[:12]}/{name[:_MAX_NAME_CHARS]}")
+        chunks = len(entry.chunks)
+        if type(index) is not int or not 0 <= index < chunks:
+            raise MalformedFrameError(f"file_chunk: index must be in 0..{chunks - 1}", peer_id)
+        self._admit(peer_id, name, last=index == chunks - 1)
+        offset, length = entry.chunk_span(index, self._manifest.chunk_bytes)
+        await self._pace(length)
+        data = await trio.to_thread.run_sync(_read, self._folder / name, offset, length)
+        self.bytes_sent += len(data)
+        return {"data": data}
+
+    async def _holds(self, entry: FileEntry) -> bool:
+        """Whether the file is here and matches the manifest (hashed once, then known)."""
+        async with self._checking:
+            if entry.file not in self._checked:
+                path = self._folder / entry.file
+                actual = await trio.to_thread.run_sync(_sha256_or_none, path)
+                self._checked[entry.file] = actual == entry.sha256
+                if actual is not None and actual != entry.sha256:
+                    log.warning(
+                        "not serving %s: SHA-256 %s, the manifest says %s",
+                        path,
+                        actual,
+                        entry.sha256,
+                    )
+            return self._checked[entry.file]
+
+    def _check_model(self, model: object) -> None:
+        if model != self._content_id:
+            shown = str(model)[:80]
+            raise ModelNotFoundError(f"{shown} (this node holds {self._content_id})")
+
+    def _admit(self, peer_id: str, name: str, last: bool) -> None:
+        now = trio.current_time()
+        self._expire(now)
+        key = (peer_id, name)
+        if key not in self._active and len(self._active) >= self._settings.max_transfers:
+            raise OverloadedError(
+                f"this node is serving {len(self._active)} transfers already (its cap)"
+            )
+        if last:
+            self._active.pop(key, None)
+        else:
+            self._active[key] = now
+
+    def _expire(self, now: float) -> None:
+        for key, seen in list(self._active.items()):
+            if now - seen > TRANSFER_IDLE_S:
+                del self._active[key]
+
+    async def _pace(self, length: int) -> None:
+        """Hold a chunk back until the upload limit lets its bytes out."""
+        rate = self._settings.upload_bytes_per_s
+        if rate <= 0:
+            return
+        now = trio.current_time()
+        start = max(now, self._next_free)
+        self._next_free = start + length / rate
+        await trio.sleep_until(self._next_free)
+
+
+def _sha256_or_none(path: Path) -> str | None:
+    return file_sha256(path) if path.is_file() else None
+
+
+def _read(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        return handle.read(length)
+
+
+# --- the caller side --------------------------------------------------------------------
+
+
+async def call_manifest(
+    host: P2PHost, peer_id: str, content_id: str, timeout_s: float = MANIFEST_TIMEOUT_S
+) -> bytes:
+    """The raw manifest a peer holds for `content_id` (check it with parse_manifest)."""
+    result = await call(host, peer_id, METHOD_MANIFEST, {"model": content_id}, timeout_s)
+    return _bin(result, "manifest", peer_id)
+
+
+async def call_file_chunk(
+    host: P2PHost,
+    peer_id: str,
+    content_id: str,
+    file: str,
+    index: int,
+    timeout_s: float = CHUNK_TIMEOUT_S,
+) -> bytes:
+    """Chunk `index` of a file, unchecked: the caller compares it with the manifest."""
+    args = {"model": content_id, "file": file, "index": index}
+    result = await call(host, peer_id, METHOD_CHUNK, args, timeout_s)
+    return _bin(result, "data", peer_id)
+
+
+def _bin(result: dict[str, Any], key: str, peer_id: str) -> bytes:
+    value = result.get(key)
+    if len(result) != 1 or not isinstance(value, bytes):
+        raise MalformedFrameError(f"peer {peer_id[-8:]} answered without '{key}' bytes", peer_id)
+    return value
+
+
+def transfer_rate(size: int, seconds: float) -> str:
+    if seconds <= 0 or not math.isfinite(seconds):
+        return "-"
+    return f"{size / seconds / 1e6:.1f} MB/s"
