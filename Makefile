@@ -37,6 +37,7 @@ test: install lint
 bench: install
 	$(BIN)/python bench/single_node.py
 	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/shard_memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_SHARE = 0.8  # of the memory budget; the rest is for KV caches and activations
 JOIN_TIMEOUT_S = 60.0
+MAX_EXTRA_BOOTSTRAP = 8  # holders met while fetching, added to the bootstrap peers
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -52,6 +53,9 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
 class Acquired:
     source: ModelSource
     layers: str  # "START:END", or "" for every layer
+    # Addresses of the holders met on the way: more ways into the swarm than the
+    # bootstrap peers alone, which may have left while the files were fetched.
+    peer_addrs: tuple[str, ...] = ()
 
 
 def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
@@ -174,6 +178,16 @@ class _SwarmJob:
                 nursery.cancel_scope.cancel()
 
     async def _acquire(self) -> Acquired:
+        acquired = await self._settle()
+        model_id = acquired.source.model_id
+        own = self._presence.identity.peer_id
+        with trio.move_on_after(JOIN_TIMEOUT_S / 4):
+            records = await self._presence.holders(model_id)
+            addrs = tuple(r.addrs[0] for r in records if r.peer_id != own and r.addrs)
+            return Acquired(acquired.source, acquired.layers, addrs[:MAX_EXTRA_BOOTSTRAP])
+        return acquired
+
+    async def _settle(self) -> Acquired:
         model_id = self._local.model_id if self._local is not None else self._config.model
         records = await self._presence.holders(model_id)
         local_manifest = self._local.manifest if self._local is not None else None

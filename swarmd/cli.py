@@ -61,7 +61,14 @@ def run(
     dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
     torch_threads: Annotated[int | None, typer.Option(help="0 = all cores.")] = None,
     layers: Annotated[
-        str | None, typer.Option(help="Serve only layers START:END of the model, e.g. 0:15.")
+        str | None,
+        typer.Option(help="Serve only layers START:END, e.g. 0:15; auto: what the swarm lacks."),
+    ] = None,
+    memory_budget: Annotated[
+        float | None, typer.Option(help="GB of memory for --layers auto (default: free memory).")
+    ] = None,
+    upload_limit: Annotated[
+        float | None, typer.Option(help="MB/s of model files served to peers (0 = no limit).")
     ] = None,
     p2p_port: Annotated[
         int | None, typer.Option(help="libp2p TCP port (default: API port + 10).")
@@ -89,6 +96,8 @@ def run(
         "dtype": dtype,
         "torch_threads": torch_threads,
         "layers": layers,
+        "memory_budget_gb": memory_budget,
+        "upload_limit_mb_s": upload_limit,
         "p2p_port": p2p_port,
         "p2p_host": p2p_host,
         "bootstrap": tuple(bootstrap) if bootstrap else None,

@@ -9,6 +9,7 @@ stop, and no task, thread or socket is left behind.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -97,6 +98,9 @@ class Node:
         # the layer range (chosen from the swarm's coverage with --layers auto).
         acquired = acquire(config, identity, _swarm_settings(config))
         model = load_model(acquired.source, acquired.layers or None, config.dtype)
+        more = tuple(a for a in acquired.peer_addrs if a not in config.bootstrap)
+        if more:
+            config = dataclasses.replace(config, bootstrap=config.bootstrap + more)
         return cls(config, identity, model)
 
     async def start(self) -> None:

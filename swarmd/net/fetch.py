@@ -101,6 +101,7 @@ class Fetcher:
         started, fetched = time.monotonic(), 0
         holders: list[str] = []
         looked = waiting = False
+        serving = ""
         deadline = trio.current_time() + self._settings.deadline_s
         with part.open("r+b" if part.exists() else "wb") as handle:
             handle.seek(done * self._manifest.chunk_bytes)
@@ -110,6 +111,9 @@ class Fetcher:
                     holders = await self._holders_for(entry, deadline, pause_first=looked)
                     looked = True
                 peer = holders[0]
+                if peer != serving:
+                    serving = peer
+                    log.info("fetching %s from %s at chunk %d", entry.file, peer[-8:], index)
                 data = await self._chunk(peer, entry, index)
                 if data is None:
                     holders.pop(0)  # set aside for this file; the next holder takes over
