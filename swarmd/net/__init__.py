@@ -12,4 +12,8 @@
 - `gate.py`      `SwarmGate`: runs that proof on every new connection, bans who fails
 - `private_file.py` `read_private_file`: key files must be regular, private, small
 - `swarm.py`     `SwarmPresence`: host + DHT + announcements for one node (trio side)
+- `files.py`     `FileServer`: a holder serves its manifest and shard files (RPC methods
+                 `manifest`, `file_chunk`; transfer cap, upload limit); `call_file_chunk`
+- `fetch.py`     `Fetcher`: downloads files chunk by chunk, checked, resumable, from holders
+- `progress.py`  `RichProgress`: the terminal progress bar of a fetch
 """

@@ -1,6 +1,6 @@
 """`Fetcher`: download a model's files from the peers that hold them (trio).
 
-Each file is written to `<name>.part` chunk by chunk, every chunk checked against its
+Each file is written to `.<name>.part` chunk by chunk, every chunk checked against its
 SHA-256 in the manifest as it arrives; the whole file is hashed once more before it is
 renamed into place. A `.part` left by an interrupted run is checked chunk by chunk and
 continued after its last good chunk, from whichever holder answers.
@@ -91,7 +91,7 @@ class Fetcher:
             await self._fetch_file(entry)
 
     async def _fetch_file(self, entry: FileEntry) -> None:
-        part = self._folder / f"{entry.file}.part"
+        part = part_path(self._folder, entry.file)
         done = await trio.to_thread.run_sync(_resume_point, part, entry, self._manifest.chunk_bytes)
         if done:
             log.info("resuming %s after chunk %d of %d", entry.file, done, len(entry.chunks))
@@ -224,6 +224,12 @@ def _order(records: list[NodeRecord], entry: FileEntry) -> list[str]:
         return record.layer_start < entry.end and entry.start < record.layer_end
 
     return [r.peer_id for r in sorted(shuffled, key=lambda r: not holds(r))]
+
+
+def part_path(folder: Path, name: str) -> Path:
+    """Where a file is written until it verifies. The leading dot keeps it apart from every
+    name a manifest may list (those cannot start with a dot)."""
+    return folder / f".{name}.part"
 
 
 def _resume_point(part: Path, entry: FileEntry, chunk_bytes: int) -> int:

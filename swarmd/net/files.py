@@ -109,12 +109,17 @@ class FileServer:
 
     async def _holds(self, entry: FileEntry) -> bool:
         """Whether the file is here and matches the manifest (hashed once, then known)."""
-        async with self._checking:
+        known = self._checked.get(entry.file)
+        if known is not None:
+            return known
+        async with self._checking:  # one hash at a time; served files never wait here
             if entry.file not in self._checked:
                 path = self._folder / entry.file
                 actual = await trio.to_thread.run_sync(_sha256_or_none, path)
+                if actual is None:
+                    return False  # not here (yet): asked again next time, not remembered
                 self._checked[entry.file] = actual == entry.sha256
-                if actual is not None and actual != entry.sha256:
+                if actual != entry.sha256:
                     log.warning(
                         "not serving %s: SHA-256 %s, the manifest says %s",
                         path,

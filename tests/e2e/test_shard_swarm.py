@@ -212,7 +212,7 @@ def _wait_half(cache: Path, total: int) -> Path:
     found: list[Path] = []
 
     def half_done() -> bool:
-        found[:] = list(cache.rglob(f"{SHARD_20_30}.part"))
+        found[:] = list(cache.rglob(f".{SHARD_20_30}.part"))
         return bool(found) and found[0].stat().st_size >= total * 0.4
 
     assert wait_until(half_done, 120, 0.05), "the transfer never got under way"

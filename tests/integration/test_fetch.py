@@ -348,19 +348,21 @@ def test_a_lying_holder_is_banned_and_the_next_one_finishes(
     liar.tamper = TAMPERS[tamper]
     good = good_server(model)
     bans: list[tuple[str, str]] = []
+    liar_id: list[str] = []
 
     async def test() -> None:
         async with holders(liar, good) as [bad, fine], client_of(bad, fine) as client:
-            # the liar's layers cover shard A, so it is tried first for it
+            liar_id.append(bad.peer_id)
+            # Holders whose layers cover a shard are tried first (random within a group):
+            # the liar's record covers shard A, the good holder's does not.
             swarm = Swarm([record(bad.peer_id, model, (0, 2)), record(fine.peer_id, model, (2, 4))])
             fetch = fetcher(client, model, dest, swarm)
             await fetch.fetch([model.entry(SHARD_A), model.entry(TOKENIZER)])
             bans.extend(swarm.bans)
-            assert bad.peer_id == bans[0][0]
 
     run(test)
     assert_fetched(model, dest, [SHARD_A, TOKENIZER])
-    assert len(bans) == 1
+    assert [peer for peer, _ in bans] == liar_id  # once, the liar
     why = bans[0][1]
     assert "chunk 1" in why and SHARD_A in why
     assert liar.asked(SHARD_A) == [0, 1]
@@ -387,7 +389,7 @@ def test_a_part_file_resumes_after_its_last_good_chunk(
     make_part, still_asked = PARTS[part]
     dest = tmp_path / "fetched"
     dest.mkdir()
-    (dest / f"{SHARD_A}.part").write_bytes(make_part(model.data[SHARD_A]))
+    (dest / f".{SHARD_A}.part").write_bytes(make_part(model.data[SHARD_A]))
     server = good_server(model)
     progress = RecordingProgress()
 
@@ -561,7 +563,7 @@ def test_a_silent_holder_times_out_and_the_next_one_finishes(model: Model, tmp_p
     dest = tmp_path / "fetched"
     silent = DyingServer(model.folder, model.manifest, serves=0)  # never answers a chunk
     good = good_server(model)
-    settings = FetchSettings(chunk_timeout_s=0.3, deadline_s=2.0)
+    settings = FetchSettings(chunk_timeout_s=1.0, deadline_s=2.0)
 
     async def test() -> None:
         async with holders(silent, good) as [first, second], client_of(first, second) as client:
