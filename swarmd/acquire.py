@@ -28,7 +28,7 @@ import trio
 
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError
+from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError, SwarmError
 from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
@@ -168,14 +168,34 @@ class _SwarmJob:
         self._presence = SwarmPresence(identity, settings, None)
 
     async def run(self) -> Acquired:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._presence.run)
-            with trio.fail_after(JOIN_TIMEOUT_S):
-                await self._presence.wait_ready()
-            try:
-                return await self._acquire()
-            finally:
-                nursery.cancel_scope.cancel()
+        acquired: Acquired | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._presence.run)
+                with trio.move_on_after(JOIN_TIMEOUT_S) as joining:
+                    await self._presence.wait_ready()
+                if joining.cancelled_caught:
+                    raise FetchError(
+                        f"Could not join the swarm within {JOIN_TIMEOUT_S:g} s to look for "
+                        f"the model's files (bootstrap: {', '.join(self._config.bootstrap)})"
+                    )
+                try:
+                    acquired = await self._acquire()
+                finally:
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # py-libp2p can raise while its host winds down (a peer's stream negotiating
+            # the DHT protocol just as the DHT stops: KeyError '/ipfs/kad/1.0.0'). Once
+            # the files are here, that is no reason to fail the node.
+            if acquired is None:
+                failure = _first(group, SwarmError)
+                if failure is not None:
+                    raise failure from None  # the reason, not trio's wrapping of it
+                raise
+            log.debug("the fetching host ended with %r", group)
+        if acquired is None:
+            raise FetchError("the swarm layer stopped before the model's files were settled")
+        return acquired
 
     async def _acquire(self) -> Acquired:
         acquired = await self._settle()
@@ -214,11 +234,13 @@ class _SwarmJob:
         """The manifest most holders announce, from the first holder that sends it intact."""
         ids = Counter(r.model_hash for r in records if r.model_hash)
         if not ids:
-            raise ModelNotFoundError(
-                model_id,
-                hint=f": no peer of the swarm serves a sharded '{model_id}' "
-                f"({len(records)} holder(s) without a manifest)",
+            why = (
+                f": {len(records)} peer(s) serve it, all from a GGUF file or Hugging Face "
+                "folder, without a manifest, so none can send its files"
+                if records
+                else ": no peer of the swarm serves it"
             )
+            raise ModelNotFoundError(model_id, hint=why)
         content_id, count = ids.most_common(1)[0]
         if len(ids) > 1:
             log.warning(
@@ -284,6 +306,18 @@ class _SwarmJob:
                 progress,
             )
             await fetcher.fetch(entries)
+
+
+def _first(group: BaseExceptionGroup, kind: type[SwarmError]) -> SwarmError | None:
+    """The first `kind` error inside a (nested) exception group."""
+    for exc in group.exceptions:
+        if isinstance(exc, kind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first(exc, kind)
+            if found is not None:
+                return found
+    return None
 
 
 def _range(record: NodeRecord) -> LayerRange:

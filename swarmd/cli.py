@@ -182,6 +182,24 @@ def peers(
 
 
 @app.command()
+def diagnostics(
+    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
+    full: Annotated[
+        bool, typer.Option("--full", help="Keep IP addresses and host names (not for sharing).")
+    ] = False,
+) -> None:
+    """Print a node's report: peers, coverage, last requests, failures, sessions."""
+    from swarmd.client import ClientError, get_text
+
+    try:
+        text = asyncio.run(get_text(url, "/api/admin/diagnostics" + ("?full=1" if full else "")))
+    except ClientError as exc:
+        typer.echo(f"swarmd: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(text, nl=False)
+
+
+@app.command()
 def shard(
     source: Annotated[str, typer.Argument(help="GGUF file, Hugging Face folder or model id.")],
     out: Annotated[Path, typer.Option(help="New folder for the manifest and the shards.")],

@@ -36,8 +36,13 @@ async def stream_chat(
 
 async def get_json(url: str, path: str) -> Any:
     """GET a JSON document from a node."""
+    return json.loads(await get_text(url, path))
+
+
+async def get_text(url: str, path: str) -> str:
+    """GET a document from a node, as text."""
     base = url.rstrip("/")
-    timeout = aiohttp.ClientTimeout(total=30)
+    timeout = aiohttp.ClientTimeout(total=60)
     try:
         async with (
             aiohttp.ClientSession(timeout=timeout) as http,
@@ -45,7 +50,7 @@ async def get_json(url: str, path: str) -> Any:
         ):
             if response.status != 200:
                 raise ClientError(await _error_text(response))
-            return await response.json()
+            return await response.text()
     except aiohttp.ClientError as exc:
         raise ClientError(f"cannot reach {base}: {exc}") from exc
 

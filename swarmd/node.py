@@ -22,6 +22,7 @@ from aiohttp import web
 from swarmd import __version__
 from swarmd.acquire import acquire
 from swarmd.api.app import create_app
+from swarmd.api.metrics import NodeMetrics, NodeState
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ConfigError, InternalError, SwarmError
@@ -37,6 +38,7 @@ from swarmd.net.peers import BanRow, PeerRow
 from swarmd.net.swarm import SwarmPresence, SwarmSettings
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
+from swarmd.pipeline.report import FailureRing
 from swarmd.pipeline.ring import RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 from swarmd.pipeline.wire import StageLimits
@@ -55,7 +57,11 @@ class Node:
         self.identity = identity
         self.model = model
         self.worker = TorchWorker(config.torch_threads)
-        self.runtime = StageRuntime(model.stage, config.max_sessions)
+        self.failures = FailureRing()
+        self.metrics = NodeMetrics(self._metrics_state())
+        self.runtime = StageRuntime(
+            model.stage, config.max_sessions, on_step=self.metrics.stage_forward.observe
+        )
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,
             queue_timeout_s=config.queue_timeout_s,
@@ -77,6 +83,7 @@ class Node:
         self.coordinator = Coordinator(
             model, self.runtime, self.worker, identity.short_id, limits, self, chain_settings
         )
+        self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
         self.swarm = SwarmPresence(
             identity, _swarm_settings(config), self._make_record, self._run_services
@@ -104,6 +111,7 @@ class Node:
         return cls(config, identity, model)
 
     async def start(self) -> None:
+        logging.getLogger("swarmd").addHandler(self.failures)
         self.worker.start()
         await self.bridge.start()
         self.bridge.start_soon(self.swarm.run)
@@ -143,6 +151,34 @@ class Node:
         except SwarmError as exc:
             log.warning("the swarm layer ended with an error: %s", exc)
         await self.worker.stop()
+        logging.getLogger("swarmd").removeHandler(self.failures)
+
+    def _metrics_state(self) -> NodeState:
+        def host_traffic(direction: str) -> dict[str, int]:
+            host = self.swarm.host_or_none
+            return dict(getattr(host.traffic, direction)) if host is not None else {}
+
+        def connected() -> int:
+            host = self.swarm.host_or_none
+            return len(host.connected_peers()) if host is not None else 0
+
+        return NodeState(
+            info=lambda: {
+                "version": __version__,
+                "peer_id": self.identity.peer_id,
+                "model": self.model.model_id,
+                "layers": str(self.model.layers),
+            },
+            peers_connected=connected,
+            kv_cache_tokens=lambda: self.runtime.cached_tokens,
+            sessions=lambda: self.runtime.session_count,
+            in_flight=lambda: self.coordinator.in_flight,
+            bytes_sent=lambda: host_traffic("sent"),
+            bytes_received=lambda: host_traffic("received"),
+            records_rejected=lambda: self.swarm.rejected_records(),
+            peers_banned=lambda: len(self.banned()),
+            file_bytes_served=lambda: self.file_server.bytes_sent if self.file_server else 0,
+        )
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
         """Every live holder of a model, this node included, from the DHT.

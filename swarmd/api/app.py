@@ -13,7 +13,9 @@ from aiohttp import web
 from swarmd import __version__
 from swarmd.api import keys
 from swarmd.api.completions import chat_completions, completions
+from swarmd.api.diagnostics import build_report
 from swarmd.api.errors import Handler, error_middleware
+from swarmd.api.metrics import CONTENT_TYPE
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import SwarmError
 
@@ -53,6 +55,8 @@ def create_app(node: Node) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_detail)
     app.router.add_get("/api/peers", peers)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/api/admin/diagnostics", diagnostics)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     return app
@@ -84,6 +88,19 @@ async def health(request: web.Request) -> web.Response:
         "kv_cache_tokens": node.runtime.cached_tokens,
     }
     return web.json_response(body)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    node: Node = request.app[keys.NODE]
+    return web.Response(body=node.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def diagnostics(request: web.Request) -> web.Response:
+    """The plain-text report; addresses are redacted unless ?full=1."""
+    node: Node = request.app[keys.NODE]
+    full = request.query.get("full", "") in ("1", "true", "yes")
+    text = await build_report(node, await _holders(node), full=full)
+    return web.Response(text=text, content_type="text/plain")
 
 
 async def models(request: web.Request) -> web.Response:

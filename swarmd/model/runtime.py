@@ -7,6 +7,7 @@ the coordinator closes it however the reply ends.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,13 @@ class StageSession:
 
 
 @dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    layers: LayerRange
+    length: int  # tokens in its KV cache
+
+
+@dataclass(frozen=True)
 class StepResult:
     hidden: torch.Tensor | None  # [1, T, H] for the next stage, when this is not the last
     token: int | None  # the sampled token, when the last stage was asked for one
@@ -36,8 +44,15 @@ class StepResult:
 
 
 class StageRuntime:
-    def __init__(self, stage: StageModule, max_sessions: int) -> None:
+    def __init__(
+        self,
+        stage: StageModule,
+        max_sessions: int,
+        on_step: Callable[[float], None] | None = None,
+    ) -> None:
+        """`on_step(seconds)`: told the time of every forward pass (metrics)."""
         self.stage = stage
+        self._on_step = on_step
         self.max_sessions = max_sessions
         self._sessions: dict[str, StageSession] = {}
         self._views: dict[LayerRange, StageModule] = {}
@@ -49,6 +64,13 @@ class StageRuntime:
     @property
     def cached_tokens(self) -> int:
         return sum(s.length for s in list(self._sessions.values()))
+
+    def sessions(self) -> list[SessionInfo]:
+        """A snapshot of the open sessions (readable from outside the worker thread)."""
+        return [
+            SessionInfo(s.session_id, s.module.layers_range, s.length)
+            for s in list(self._sessions.values())
+        ]
 
     def open(
         self,
@@ -95,6 +117,8 @@ class StageRuntime:
                 raise InternalError(f"Session {session_id} has no sampling parameters")
             token = session.sampler.sample(out[0])
         elapsed = time.perf_counter() - started
+        if self._on_step is not None:
+            self._on_step(elapsed)
         session.length += count
         hidden = None if module.is_last else out
         return StepResult(hidden, token, elapsed)

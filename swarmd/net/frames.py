@@ -43,6 +43,7 @@ __all__ = [
     "READ_CHUNK_BYTES",
     "FrameDecoder",
     "FrameStream",
+    "Traffic",
     "decode_body",
     "encode_frame",
 ]
@@ -209,6 +210,20 @@ def _stream_errors() -> _StreamErrors:
     return _StreamErrors(StreamEOF, StreamReset, other)
 
 
+class Traffic:
+    """Bytes sent and received per protocol, over every frame stream of one host."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+        self.received: dict[str, int] = {}
+
+    def add_sent(self, protocol: str, size: int) -> None:
+        self.sent[protocol] = self.sent.get(protocol, 0) + size
+
+    def add_received(self, protocol: str, size: int) -> None:
+        self.received[protocol] = self.received.get(protocol, 0) + size
+
+
 class FrameStream:
     """Whole frames over one libp2p stream.
 
@@ -224,8 +239,10 @@ class FrameStream:
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+        traffic: Traffic | None = None,
     ) -> None:
         self._stream = stream
+        self._traffic = traffic
         self._errors = _stream_errors()
         self._max_frame_bytes = max_frame_bytes
         self._send_timeout_s = send_timeout_s
@@ -259,6 +276,8 @@ class FrameStream:
             try:
                 with trio.fail_after(timeout):
                     await self._stream.write(frame)
+                if self._traffic is not None:
+                    self._traffic.add_sent(self.protocol, len(frame))
             except trio.TooSlowError:
                 await self._break("send timed out")
                 raise SendTimeoutError(
@@ -321,6 +340,8 @@ class FrameStream:
                 f"stream from peer {self.peer_id[-8:]} failed: {exc!r}", self.peer_id
             ) from exc
         if data:
+            if self._traffic is not None:
+                self._traffic.add_received(self.protocol, len(data))
             return data
         if self._decoder.mid_frame:
             await self._break("truncated frame")

@@ -50,7 +50,7 @@ from swarmd.errors import (
     IdentityError,
     SwarmError,
 )
-from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream
+from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream, Traffic
 from swarmd.net.identity import Identity, public_key_from_peer_id
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class P2PHost:
         # peer that sent garbage.
         self.admits: Callable[[str], bool] | None = None
         self.misbehaved: Callable[[str, str], Awaitable[None]] | None = None
+        self.traffic = Traffic()  # bytes per protocol over swarmd's frame streams
 
     @property
     def libp2p(self) -> IHost:
@@ -223,6 +224,7 @@ class P2PHost:
             stream,
             max_frame_bytes=self._config.max_frame_bytes,
             send_timeout_s=self._config.send_timeout_s,
+            traffic=self.traffic,
         )
 
     def __repr__(self) -> str:

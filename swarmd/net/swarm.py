@@ -73,6 +73,15 @@ class SwarmPresence:
         return self._host
 
     @property
+    def host_or_none(self) -> P2PHost | None:
+        """The host while it runs (for reading its state from outside trio)."""
+        return self._host
+
+    def rejected_records(self) -> dict[str, int]:
+        """DHT records refused so far, by reason."""
+        return dict(self._discovery.stats.rejected) if self._discovery is not None else {}
+
+    @property
     def rpc(self) -> RpcService:
         """The host's `/swarmd/rpc/1` service, to register more methods on."""
         if self._rpc is None:

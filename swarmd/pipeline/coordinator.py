@@ -51,6 +51,8 @@ class Coordinator:
         self.runtime = runtime
         self.short_id = short_id
         self.ring = RequestRing()
+        # Told of every finished request, with the gaps between its tokens (metrics).
+        self.observe: Callable[[RequestRecord, list[float]], None] | None = None
         self.in_flight = 0
         self._worker = worker
         self._limits = limits
@@ -124,11 +126,16 @@ class Coordinator:
                     self.in_flight -= 1
                     self._slots.release()
                 timing.total_s = timing.since_received()
-                self.report(self._record(request, timing, gen, error))
+                self.report(self._record(request, timing, gen, error), timing.token_gaps_s)
 
-    def report(self, record: RequestRecord) -> None:
+    def report(self, record: RequestRecord, token_gaps_s: list[float] | None = None) -> None:
         self.ring.add(record)
-        log.info(record.diag_line())
+        if record.outcome == "ok":
+            log.info(record.diag_line())
+        else:
+            log.warning(record.diag_line())  # a failure: it also lands in the failure ring
+        if self.observe is not None:
+            self.observe(record, token_gaps_s or [])
 
     def _record(
         self,

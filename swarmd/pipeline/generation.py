@@ -44,6 +44,7 @@ class Timing:
     ttft_s: float | None = None  # from receipt to the first token
     decode_s: float | None = None  # from the first token to the last
     total_s: float | None = None
+    token_gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens
 
     def since_received(self) -> float:
         return time.perf_counter() - self.received
@@ -83,7 +84,7 @@ class Generation:
         await self.chain.open(req.request_id, max_length, req.sampling)
         token = await self._prefill()
         self.timing.ttft_s = self.timing.since_received()
-        first_token_at = time.perf_counter()
+        first_token_at = last_token_at = time.perf_counter()
         while True:
             self.tokens.append(token)
             if token in self._codec.eos_ids:
@@ -99,6 +100,9 @@ class Generation:
                 self.finish_reason = "length"
                 break
             token = await self._decode_one_token(token)
+            now = time.perf_counter()
+            self.timing.token_gaps_s.append(now - last_token_at)
+            last_token_at = now
         self.timing.decode_s = time.perf_counter() - first_token_at
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
         if tail:

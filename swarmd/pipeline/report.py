@@ -1,10 +1,13 @@
-"""What a finished request leaves behind: the DIAG line and the recent-requests ring."""
+"""What requests and failures leave behind: the DIAG line, the recent-requests ring and
+the failure ring."""
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNSAFE = re.compile(r"[\s=]")
 
@@ -32,6 +35,7 @@ class RequestRecord:
     stage_ms: tuple[float, ...] = ()
     activation_bytes: int | None = None
     failovers: int | None = None
+    finished_at: float = field(default_factory=time.time)  # unix seconds
 
     @property
     def tok_per_sec(self) -> float | None:
@@ -94,3 +98,34 @@ class RequestRing:
 
     def recent(self) -> list[RequestRecord]:
         return list(self._records)
+
+
+@dataclass(frozen=True)
+class Failure:
+    at: float  # unix seconds
+    logger: str
+    line: str  # the DIAG line as logged
+
+
+class FailureRing(logging.Handler):
+    """The last N failures of this node: every `DIAG:` line logged at WARNING or above.
+
+    A logging handler, so every failure path that logs its DIAG line (a stage failed, a
+    peer banned, a bad frame, a refused chunk, a request that ended in error) lands here
+    without each one having to know about the ring.
+    """
+
+    def __init__(self, size: int = 50) -> None:
+        super().__init__(level=logging.WARNING)
+        self._failures: deque[Failure] = deque(maxlen=size)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):  # a bad format string: logging's problem, not ours
+            return
+        if message.startswith("DIAG:"):
+            self._failures.append(Failure(record.created, record.name, message))
+
+    def recent(self) -> list[Failure]:
+        return list(self._failures)

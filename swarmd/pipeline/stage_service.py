@@ -232,7 +232,7 @@ class StageService:
             await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
             return
         except MalformedFrameError as exc:
-            await self._bad_upstream(up, None, exc)
+            await self._bad_upstream(up, None, exc, "?")
             return
         sid = req.sid
         try:
@@ -261,6 +261,7 @@ class StageService:
         try:
             down = await self.dial(nxt, req.addrs.get(nxt, ()))
         except PeerError as exc:
+            _session_failed(req.sid, nxt, f"cannot reach the next stage: {exc}")
             await _report(up, wire.fail_frame(nxt, f"cannot reach {nxt[-8:]}: {exc}", "lost"))
             return
         try:
@@ -275,6 +276,7 @@ class StageService:
                 await self._forward(up, down, req)
                 nursery.cancel_scope.cancel()
         except PeerError as exc:  # the next stage is gone
+            _session_failed(req.sid, nxt, f"the next stage is gone: {exc}")
             await _report(up, wire.fail_frame(nxt, f"stage {nxt[-8:]} lost: {exc}", "lost"))
         finally:
             await down.close()
@@ -290,6 +292,7 @@ class StageService:
                 await _report(down, wire.END_FRAME)
                 return
             except StreamClosedError as exc:  # gone without `end`
+                _session_failed(req.sid, up.peer_id, f"the previous hop is gone: {exc}")
                 why = f"stage {up.peer_id[-8:]} lost: {exc}"
                 await _report(down, wire.fail_frame(up.peer_id, why, "lost"))
                 return
@@ -305,7 +308,7 @@ class StageService:
                     raise MalformedFrameError(f"a {kind} frame inside a session")
                 step = wire.parse_step(frame, n, req.hop == 0, self.limits, self._dtype)
             except MalformedFrameError as exc:
-                await self._bad_upstream(up, down, exc)
+                await self._bad_upstream(up, down, exc, req.sid)
                 return
             try:
                 result = await self._compute(
@@ -342,9 +345,16 @@ class StageService:
             await _report(up, wire.fail_frame(down.peer_id, why, "lost"))
         scope.cancel()
 
-    async def _bad_upstream(self, up: Link, down: Link | None, exc: MalformedFrameError) -> None:
+    async def _bad_upstream(
+        self, up: Link, down: Link | None, exc: MalformedFrameError, sid: str
+    ) -> None:
         why = f"bad frame from {up.peer_id[-8:]}: {exc}"
-        log.warning("DIAG: stage rejected a frame peer=%s: %s", up.peer_id[-8:], exc)
+        log.warning(
+            "DIAG: stage rejected a frame request_id=%s peer=%s: %s",
+            request_id_of(sid),
+            up.peer_id[-8:],
+            exc,
+        )
         if down is not None:
             await _report(down, wire.fail_frame(up.peer_id, why, "bad"))
         await self._ban_peer(up.peer_id, why)
@@ -356,6 +366,21 @@ class StageService:
 
 def _fail_args(fail: wire.Fail) -> dict[str, str]:
     return {"peer_id": fail.peer_id, "why": fail.why, "kind": fail.kind}
+
+
+def request_id_of(sid: str) -> str:
+    """A session id is `<request id>.<attempt>`: the coordinator's request id first."""
+    return sid.rsplit(".", 1)[0]
+
+
+def _session_failed(sid: str, peer_id: str, why: str) -> None:
+    log.warning(
+        "DIAG: stage session failed request_id=%s sid=%s peer=%s: %s",
+        request_id_of(sid),
+        sid,
+        peer_id[-8:],
+        why,
+    )
 
 
 async def _report(link: Link, frame: dict[str, Any]) -> None:

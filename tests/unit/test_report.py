@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
-from swarmd.pipeline.report import RequestRecord, RequestRing
+from swarmd.pipeline.report import FailureRing, RequestRecord, RequestRing
 
 PREFIX = "DIAG: request complete "
 
@@ -233,3 +234,21 @@ def test_recent_is_a_copy() -> None:
     snapshot.clear()
     ring.add(record(request_id="b"))
     assert [r.request_id for r in ring.recent()] == ["a", "b"]
+
+
+def test_the_failure_ring_keeps_diag_lines_at_warning_and_above() -> None:
+    ring = FailureRing(size=2)
+    logger = logging.getLogger("swarmd.test-failure-ring")
+    logger.addHandler(ring)
+    logger.propagate = False
+    try:
+        logger.warning("DIAG: stage failed request_id=%s peer=%s", "r1", "AAAA")
+        logger.info("DIAG: request complete request_id=r0 outcome=ok")  # not a failure
+        logger.warning("a warning that is not a DIAG line")
+        logger.error("DIAG: peer banned peer=BBBB reason=%s", "garbage")
+        logger.warning("DIAG: bad frame peer=CCCC")
+    finally:
+        logger.removeHandler(ring)
+    lines = [f.line for f in ring.recent()]
+    assert lines == ["DIAG: peer banned peer=BBBB reason=garbage", "DIAG: bad frame peer=CCCC"]
+    assert all(f.logger == "swarmd.test-failure-ring" for f in ring.recent())

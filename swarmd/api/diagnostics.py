@@ -1,0 +1,312 @@
+"""The diagnostics report (`GET /api/admin/diagnostics`, `swarmd diagnostics`): one plain
+text page that says who holds what, the route of the last requests, where their time
+went and what failed.
+
+Sections: this node, listen addresses, peers, models and shards, layer coverage, the last
+requests, failures, sessions in flight. `build_report` gathers the facts from the node;
+the `_section_*` functions only format them. Addresses and host names are replaced by
+salted per-report tags (`swarmd.api.redact`) unless `full`, so a report can be pasted
+into a bug report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from swarmd import __version__
+from swarmd.api.redact import Redactor
+from swarmd.dht.records import NodeRecord
+from swarmd.model.layers import LayerRange
+from swarmd.model.memory import available_memory_bytes
+from swarmd.pipeline.placement import coverage, gaps
+from swarmd.pipeline.report import Failure, RequestRecord
+
+if TYPE_CHECKING:
+    from swarmd.node import Node
+
+MAX_REQUESTS = 50
+MAX_FAILURES = 50
+
+
+async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str:
+    connected, table, rejected = await node.peer_snapshot()
+    now = time.time()
+    sections = [
+        _header(node, full),
+        _section_node(node),
+        _section_addresses(node),
+        _section_peers(node, holders, connected, table, rejected, now),
+        _section_models(node),
+        _section_coverage(node, holders),
+        _section_requests(node.coordinator.ring.recent()[-MAX_REQUESTS:]),
+        _section_failures(node.failures.recent()[-MAX_FAILURES:]),
+        _section_sessions(node),
+    ]
+    text = "\n\n".join(sections) + "\n"
+    if full:
+        return text
+    hosts = [socket.gethostname(), node.config.host, node.config.p2p_host]
+    return Redactor(hosts=[h for h in hosts if h]).redact(text)
+
+
+def _header(node: Node, full: bool) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    how = (
+        "full: addresses kept"
+        if full
+        else "addresses and host names replaced by tags; --full keeps them"
+    )
+    return f"swarmd diagnostics of {node.identity.short_id} at {stamp} ({how})"
+
+
+def _rows(rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _section_node(node: Node) -> str:
+    import torch
+
+    model = node.model
+    rss = _rss_bytes()
+    state = node.swarm_state()
+    lines = [
+        "== This node",
+        f"peer id       {node.identity.peer_id} (short id {node.identity.short_id})",
+        f"version       swarmd {__version__}, python {platform.python_version()}, "
+        f"torch {torch.__version__}",
+        f"device        {_device(torch)}, torch threads {torch.get_num_threads()}",
+        f"memory        rss {_mb(rss)}, available {_mb(available_memory_bytes())} "
+        f"of {_mb(_total_memory())}",
+        f"uptime        {time.monotonic() - node.started_at:.0f} s; swarm {state}",
+        f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
+        f"({model.dtype_name})",
+        f"api           {node.api_url or '-'}",
+    ]
+    return "\n".join(lines)
+
+
+def _section_addresses(node: Node) -> str:
+    addrs = node.listen_addrs()
+    return "\n".join(["== Listen addresses", *(addrs or ["(the libp2p host is not running)"])])
+
+
+def _section_peers(
+    node: Node,
+    holders: list[NodeRecord],
+    connected: Iterable[str],
+    table: Iterable[object],
+    rejected: dict[str, int],
+    now: float,
+) -> str:
+    by_peer = {r.peer_id: r for r in holders}
+    known = {row.peer_id: row for row in table}  # type: ignore[attr-defined]
+    connected = set(connected)
+    own = node.identity.peer_id
+    ids = sorted((connected | set(known) | set(by_peer)) - {own})
+    lines = [f"== Peers ({len(ids)} known, {len(connected)} connected)"]
+    rows = [["peer", "connected", "rtt ms", "last seen", "serves", "failures", "addresses"]]
+    for peer_id in ids:
+        row = known.get(peer_id)
+        record = by_peer.get(peer_id)
+        rtt = "-" if row is None or row.rtt_ms is None else f"{row.rtt_ms:.1f}"
+        seen = "-" if row is None or row.last_seen is None else f"{now - row.last_seen:.0f} s ago"
+        serves = "-" if record is None else f"{record.model_id} {_range(record)} ({record.state})"
+        failures = "0" if row is None else str(row.failures)
+        addrs = ",".join((record.addrs if record else ()) or (row.addrs if row else ())) or "-"
+        rows.append(
+            [
+                peer_id[-8:],
+                "yes" if peer_id in connected else "no",
+                rtt,
+                seen,
+                serves,
+                failures,
+                addrs,
+            ]
+        )
+    lines.append(_rows(rows) if ids else "(none)")
+    bans = node.bans(now)
+    for ban in bans:
+        lines.append(f"banned {ban.peer_id[-8:]} for {ban.remaining_s:.0f} s more: {ban.reason}")
+    if not bans:
+        lines.append("bans: none")
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()) if k != "accepted")
+    lines.append(
+        f"DHT records: {rejected.get('accepted', 0)} accepted, refused: {refused or 'none'}"
+    )
+    return "\n".join(lines)
+
+
+def _section_models(node: Node) -> str:
+    model = node.model
+    source = model.source
+    lines = ["== Models and shards", f"{model.model_id} from {source.model_dir}"]
+    manifest = source.manifest
+    if manifest is None:
+        lines.append(
+            "  no manifest (a GGUF file or Hugging Face folder): weights not hash-checked; "
+            "DHT records carry no content id"
+        )
+        return "\n".join(lines)
+    lines.append(f"  content id {manifest.content_id}")
+    rows = [["  file", "bytes", "sha256", "state"]]
+    for entry in manifest.files_for(model.layers):
+        rows.append([f"  {entry.file}", str(entry.bytes), entry.sha256, "verified at start"])
+    lines.append(_rows(rows))
+    others = [s.file for s in manifest.shards if s not in manifest.shards_for(model.layers)]
+    if others:
+        lines.append(
+            f"  other shards of the manifest (served to peers if present): {', '.join(others)}"
+        )
+    return "\n".join(lines)
+
+
+def _section_coverage(node: Node, holders: list[NodeRecord]) -> str:
+    model = node.model
+    ranges: dict[str, LayerRange] = {r.peer_id: _range(r) for r in holders if r.state == "ready"}
+    ranges.setdefault(node.identity.peer_id, model.layers)
+    counts = coverage(model.num_layers, ranges.values())
+    lines = [f"== Layer coverage of {model.model_id} ({model.num_layers} layers)"]
+    for peer_id, layer_range in sorted(ranges.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        me = " (this node)" if peer_id == node.identity.peer_id else ""
+        lines.append(f"  {layer_range!s:>9}  {peer_id[-8:]}{me}")
+    missing = gaps(counts)
+    if not missing:
+        thinnest = min(counts)
+        lines.append(f"complete: every layer has a holder (the fewest: {thinnest})")
+    for gap in missing:
+        lines.append(
+            f"gap {gap}: no holder; fill it with: swarmd run --model {model.model_id} "
+            f"--layers {gap} --bootstrap <an address above> (or --layers auto)"
+        )
+    banned = node.banned()
+    usable = [r for p, r in ranges.items() if p not in banned]
+    routable = model.is_whole or not gaps(coverage(model.num_layers, usable))
+    lines.append(f"routable from this node: {'yes' if routable else 'no'}")
+    return "\n".join(lines)
+
+
+def _section_requests(records: list[RequestRecord]) -> str:
+    lines = [f"== Last requests ({len(records)}, newest last)"]
+    if not records:
+        return "\n".join([*lines, "(none yet)"])
+    rows = [
+        [
+            "finished",
+            "request id",
+            "route",
+            "nodes",
+            "queue",
+            "sched",
+            "ttft",
+            "tok/s",
+            "tokens",
+            "stages ms",
+            "total",
+            "failovers",
+            "outcome",
+        ]
+    ]
+    for r in records:
+        rows.append(
+            [
+                time.strftime("%H:%M:%S", time.localtime(r.finished_at)),
+                r.request_id[:8],
+                r.route,
+                ",".join(r.nodes) or "-",
+                _ms(r.queue_ms),
+                _ms(r.sched_ms),
+                _ms(r.ttft_ms),
+                "-" if r.tok_per_sec is None else f"{r.tok_per_sec:.1f}",
+                "-" if r.tokens is None else str(r.tokens),
+                "/".join(f"{s:.0f}" for s in r.stage_ms) or "-",
+                _ms(r.total_ms),
+                "-" if r.failovers is None else str(r.failovers),
+                r.outcome if r.error_type is None else f"{r.outcome} {r.error_type}",
+            ]
+        )
+    return "\n".join([*lines, _rows(rows)])
+
+
+def _section_failures(failures: list[Failure]) -> str:
+    lines = [f"== Failures ({len(failures)}, newest last)"]
+    if not failures:
+        return "\n".join([*lines, "(none)"])
+    for failure in failures:
+        stamp = time.strftime("%H:%M:%S", time.localtime(failure.at))
+        lines.append(f"{stamp} {failure.line}")
+    return "\n".join(lines)
+
+
+def _section_sessions(node: Node) -> str:
+    runtime = node.runtime
+    model = node.model
+    sessions = runtime.sessions()
+    capacity = node.config.max_sessions * model.context_length
+    lines = [
+        "== Sessions in flight",
+        f"coordinating {node.coordinator.in_flight} request(s)",
+        f"stage sessions {len(sessions)} of {runtime.max_sessions}; KV cache "
+        f"{runtime.cached_tokens} tokens in use (room for {capacity})",
+    ]
+    for info in sessions:
+        lines.append(f"  {info.session_id}  layers {info.layers}  {info.length} tokens")
+    return "\n".join(lines)
+
+
+def _range(record: NodeRecord) -> LayerRange:
+    return LayerRange(record.layer_start, record.layer_end)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _mb(size: int | None) -> str:
+    return "-" if size is None else f"{size / 1e6:.0f} MB"
+
+
+def _device(torch: object) -> str:
+    cuda = getattr(torch, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return f"cuda ({cuda.get_device_name(0)})"
+    return f"cpu ({_cpu_name()}, {os.cpu_count()} cores)"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _total_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return None
