@@ -38,6 +38,7 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
     now = time.time()
     sections = [
         _header(node, full),
+        _section_summary(node, holders, connected),
         _section_node(node),
         _section_addresses(node),
         _section_peers(node, holders, connected, table, rejected, now),
@@ -71,6 +72,45 @@ def _rows(rows: list[list[str]]) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
     )
+
+
+def _section_summary(node: Node, holders: list[NodeRecord], connected: list[str]) -> str:
+    """The first screen: who holds what, the last request's route and time, what failed."""
+    model = node.model
+    ranges = [_range(r) for r in holders if r.state == "ready"] + [model.layers]
+    missing = gaps(coverage(model.num_layers, ranges))
+    cover = "complete" if not missing else "missing " + ", ".join(str(g) for g in missing)
+    peers = {r.peer_id for r in holders} | {node.identity.peer_id}
+    lines = [
+        "== Summary",
+        f"swarm     {len(peers)} holder(s) of {model.model_id}: {cover}; "
+        f"{len(connected)} peer(s) connected, {len(node.banned())} banned",
+    ]
+    recent = node.coordinator.ring.recent()
+    if recent:
+        r = recent[-1]
+        speed = "" if r.tok_per_sec is None else f", {r.tok_per_sec:.1f} tok/s"
+        stages = "/".join(f"{ms:.0f}" for ms in r.stage_ms)
+        lines.append(
+            f"last req  {r.request_id[:8]} {r.route} {','.join(r.nodes) or '-'}: "
+            f"ttft {_ms(r.ttft_ms)} ms{speed}, stages {stages or '-'} ms, "
+            f"total {_ms(r.total_ms)} ms, {r.outcome}"
+            + (f" {r.error_type}" if r.error_type else "")
+        )
+    else:
+        lines.append("last req  (none yet)")
+    failures = node.failures.recent()
+    if failures:
+        stamp = time.strftime("%H:%M:%S", time.localtime(failures[-1].at))
+        lines.append(f"last fail {stamp} {failures[-1].line[:200]}")
+    else:
+        lines.append("last fail (none)")
+    lines.append(
+        f"in flight {node.coordinator.in_flight} request(s), "
+        f"{node.runtime.session_count} stage session(s), KV cache {node.runtime.cached_tokens} "
+        "tokens"
+    )
+    return "\n".join(lines)
 
 
 def _section_node(node: Node) -> str:

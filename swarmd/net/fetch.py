@@ -192,7 +192,9 @@ class Fetcher:
             records = [r for r in await self._lookup() if self._may_serve(r)]
             if records:
                 return _order(records, entry)
-            log.info("no holder can serve %s now; looking again", entry.file)
+            (log.info if not pause_first else log.debug)(
+                "no holder of %s is known yet; looking again every %g s", entry.file, RETRY_PAUSE_S
+            )
 
     def _may_serve(self, record: NodeRecord) -> bool:
         return (

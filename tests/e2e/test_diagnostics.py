@@ -18,6 +18,7 @@ from tests.conftest import NodeProcess, http_json, running_node, wait_until
 pytestmark = pytest.mark.e2e
 
 SECTIONS = (
+    "== Summary",
     "== This node",
     "== Listen addresses",
     "== Peers",
@@ -88,7 +89,7 @@ def test_report_and_metrics_after_a_distributed_request(swarm: list[NodeProcess]
     assert headers["x-swarm-route"] == "distributed"
     route = headers["x-swarm-nodes"].split(",")
     assert len(route) == 3
-    bad, _, _ = http_json(f"{a.url}/v1/chat/completions", {**body, "temperature": "hot"})
+    bad, _, bad_headers = http_json(f"{a.url}/v1/chat/completions", {**body, "temperature": "hot"})
     assert bad == 400
     after = scrape(a)
 
@@ -120,6 +121,12 @@ def test_report_and_metrics_after_a_distributed_request(swarm: list[NodeProcess]
     assert reply["id"] not in text  # the report names requests by the node's request id
     assert headers["x-swarm-request-id"][:8] in text
     assert "complete: every layer has a holder" in text
+    summary = text.split("== This node")[0]
+    assert "3 holder(s)" in summary and ": complete;" in summary
+    bad_id = bad_headers["x-swarm-request-id"][:8]
+    assert f"last req  {bad_id} local -: " in summary and "InvalidRequestError" in summary
+    ok_id = headers["x-swarm-request-id"][:8]
+    assert re.search(rf"{ok_id}\s+distributed\s+{','.join(route)}\s", text), text
     assert "verified at start" in text
     assert "outcome=error" in text  # the rejected request's DIAG line, in the failure ring
     assert not IPV4.findall(text), IPV4.findall(text)
