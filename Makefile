@@ -8,7 +8,7 @@ STAMP := $(VENV)/.swarmd-installed
 ARGS ?=
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench clean browser
 
 install: $(STAMP)
 
@@ -31,8 +31,12 @@ lint: install
 	$(BIN)/ruff check swarmd tests bench examples
 	$(BIN)/ruff format --check swarmd tests bench examples
 
-test: install lint
+test: install lint browser
 	$(BIN)/python -m pytest -q -ra
+
+# The chat page's tests drive Debian's Chromium through Playwright (tests/browser).
+browser:
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
 bench: install
 	$(BIN)/python bench/single_node.py

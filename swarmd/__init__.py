@@ -9,7 +9,8 @@ Where things live:
 - `swarmd.model`      loading models, the stage (a layer range with KV caches), sampling,
                       the torch worker thread
 - `swarmd.pipeline`   generation sessions: the coordinator's loop over a route of stages
-- `swarmd.api`        the aiohttp OpenAI-compatible HTTP API
+- `swarmd.api`        the aiohttp OpenAI-compatible HTTP API, /metrics, the diagnostics report
+- `swarmd.web`        the chat page served at "/" (index.html, app.js, markdown.js, style.css)
 - `swarmd.net`        identity, the libp2p host, frames, RPC, model file transfers
 - `swarmd.dht`        discovery: signed records of who serves which layers
 """

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (aiohttp).
 
-- `app.py`          `create_app`, middlewares, `/health`, `/v1/models`
+- `app.py`          `create_app`, middlewares, `/health`, `/v1/models`, the chat page at `/`
 - `completions.py`  `/v1/chat/completions`, `/v1/completions` (SSE streaming or not)
 - `schemas.py`      pydantic request models; every unsupported parameter refused by name
 - `errors.py`       the exception tree -> HTTP status table, OpenAI's error shape

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 HOLDERS_TIMEOUT_S = 30.0  # above discovery's own worst case (lookup + rpc + record)
 
 
@@ -51,6 +53,8 @@ def create_app(node: Node) -> web.Application:
     app[keys.COORDINATOR] = node.coordinator
     app[keys.MAX_BODY_BYTES] = node.config.max_body_bytes
     app[keys.DEFAULT_TEMPERATURE] = node.config.default_temperature
+    app.router.add_get("/", chat_page)
+    app.router.add_static("/static/", WEB_DIR, append_version=False)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model_detail)
@@ -88,6 +92,11 @@ async def health(request: web.Request) -> web.Response:
         "kv_cache_tokens": node.runtime.cached_tokens,
     }
     return web.json_response(body)
+
+
+async def chat_page(request: web.Request) -> web.FileResponse:
+    """The chat page (swarmd/web): plain HTML, CSS and JS, every asset served from here."""
+    return web.FileResponse(WEB_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
 
 async def metrics(request: web.Request) -> web.Response:

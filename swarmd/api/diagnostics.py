@@ -23,6 +23,7 @@ from swarmd.api.redact import Redactor
 from swarmd.dht.records import NodeRecord
 from swarmd.model.layers import LayerRange
 from swarmd.model.memory import available_memory_bytes
+from swarmd.net.peers import PeerRow
 from swarmd.pipeline.placement import coverage, gaps
 from swarmd.pipeline.report import Failure, RequestRecord
 
@@ -144,12 +145,12 @@ def _section_peers(
     node: Node,
     holders: list[NodeRecord],
     connected: Iterable[str],
-    table: Iterable[object],
+    table: Iterable[PeerRow],
     rejected: dict[str, int],
     now: float,
 ) -> str:
     by_peer = {r.peer_id: r for r in holders}
-    known = {row.peer_id: row for row in table}  # type: ignore[attr-defined]
+    known = {row.peer_id: row for row in table}
     connected = set(connected)
     own = node.identity.peer_id
     ids = sorted((connected | set(known) | set(by_peer)) - {own})

@@ -1,0 +1,655 @@
+// The chat page every node serves at "/". Plain JS, no build step, no network beyond
+// this node's own API. Chats live in localStorage; the address (#chat=<id>) names the
+// open chat, so a reload or Back returns to it.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+const STORE_CHATS = "swarmd.chats";
+const STORE_SETTINGS = "swarmd.settings";
+const DEFAULT_SETTINGS = { temperature: 0.7, maxTokens: 512, system: "", token: "" };
+
+const state = {
+  models: [],          // entries of /v1/models
+  chats: loadJson(STORE_CHATS, {}),
+  settings: { ...DEFAULT_SETTINGS, ...loadJson(STORE_SETTINGS, {}) },
+  currentId: null,
+  streaming: null,     // {controller, chatId}
+  panel: null,
+  holders: {},         // short id -> {peer_id, layers}
+  timer: null,
+};
+
+function loadJson(key, fallback) {
+  try {
+    const value = JSON.parse(localStorage.getItem(key));
+    return value && typeof value === "object" ? value : fallback;
+  } catch {
+    return fallback;
+  }
+}
+
+function saveChats() { localStorage.setItem(STORE_CHATS, JSON.stringify(state.chats)); }
+function saveSettings() { localStorage.setItem(STORE_SETTINGS, JSON.stringify(state.settings)); }
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (state.settings.token) h.Authorization = `Bearer ${state.settings.token}`;
+  return h;
+}
+
+function newId() {
+  return Date.now().toString(36) + Math.random().toString(36).slice(2, 8);
+}
+
+// --- models ---------------------------------------------------------------------------
+
+function missingRanges(swarm) {
+  const gaps = [];
+  let at = 0;
+  for (const [start, end] of swarm.coverage || []) {
+    if (start > at) gaps.push(`${at}:${start}`);
+    at = Math.max(at, end);
+  }
+  if (at < swarm.num_layers) gaps.push(`${at}:${swarm.num_layers}`);
+  return gaps;
+}
+
+function unroutableReason(entry) {
+  const swarm = entry.swarm || {};
+  if (swarm.routable !== false) return "";
+  const gaps = missingRanges(swarm);
+  return gaps.length ? `missing layers ${gaps.join(", ")}` : "some holders are banned or unreachable";
+}
+
+async function refreshModels() {
+  try {
+    const response = await fetch("/v1/models", { headers: headers() });
+    if (!response.ok) throw new Error(await errorText(response));
+    state.models = (await response.json()).data || [];
+  } catch (err) {
+    setStatus("error", `cannot list models: ${err.message}`);
+    return;
+  }
+  state.holders = {};
+  for (const entry of state.models) {
+    for (const h of (entry.swarm && entry.swarm.holders) || []) {
+      state.holders[h.peer_id.slice(-8)] = h;
+    }
+  }
+  renderModels();
+}
+
+function renderModels() {
+  const select = $("#model");
+  const chosen = select.value || (currentChat() && currentChat().model) || "";
+  select.textContent = "";
+  for (const entry of state.models) {
+    const reason = unroutableReason(entry);
+    const option = document.createElement("option");
+    option.value = entry.id;
+    option.textContent = reason ? `${entry.id} (${reason})` : entry.id;
+    option.disabled = Boolean(reason);
+    option.title = reason || `${entry.id}: every layer is served`;
+    select.appendChild(option);
+  }
+  const usable = state.models.filter((m) => !unroutableReason(m));
+  const keep = usable.find((m) => m.id === chosen) || usable[0];
+  if (keep) select.value = keep.id;
+  else if (state.models.length) select.value = state.models[0].id;
+  updateStatus();
+}
+
+function selectedModel() {
+  return state.models.find((m) => m.id === $("#model").value);
+}
+
+function updateStatus() {
+  const entry = selectedModel();
+  if (!entry) return setStatus("error", "no model");
+  const reason = unroutableReason(entry);
+  if (reason) setStatus("incomplete", "incomplete", reason);
+  else setStatus("ready", "ready");
+}
+
+function setStatus(kind, text, reason = "") {
+  const el = $("#model-status");
+  el.dataset.state = kind;
+  el.textContent = text;
+  $("#model-reason").textContent = reason;
+  $("#send").disabled = kind !== "ready" && !state.streaming;
+}
+
+// --- chats ----------------------------------------------------------------------------
+
+function currentChat() {
+  return state.currentId ? state.chats[state.currentId] : null;
+}
+
+function openChat(id, push = true) {
+  state.currentId = id && state.chats[id] ? id : null;
+  const hash = state.currentId ? `#chat=${state.currentId}` : "#";
+  if (push && location.hash !== hash) history.pushState(null, "", hash || "#");
+  const chat = currentChat();
+  if (chat && chat.model && state.models.some((m) => m.id === chat.model && !unroutableReason(m))) {
+    $("#model").value = chat.model;
+    updateStatus();
+  }
+  renderMessages();
+  renderChatList();
+}
+
+function idFromHash() {
+  const match = location.hash.match(/^#chat=([\w-]+)$/);
+  return match ? match[1] : null;
+}
+
+function ensureChat(firstText) {
+  let chat = currentChat();
+  if (!chat) {
+    const id = newId();
+    chat = {
+      id,
+      title: firstText.trim().split("\n")[0].slice(0, 60) || "New chat",
+      model: $("#model").value,
+      created: Date.now(),
+      updated: Date.now(),
+      messages: [],
+    };
+    state.chats[id] = chat;
+    openChat(id);
+  }
+  return chat;
+}
+
+function renderChatList() {
+  const list = $("#chat-list");
+  const query = $("#chat-search").value.trim().toLowerCase();
+  list.textContent = "";
+  const chats = Object.values(state.chats)
+    .filter((c) => !query || c.title.toLowerCase().includes(query) ||
+      c.messages.some((m) => (m.content || "").toLowerCase().includes(query)))
+    .sort((a, b) => b.updated - a.updated);
+  for (const chat of chats) {
+    const li = document.createElement("li");
+    li.className = "chat-item" + (chat.id === state.currentId ? " active" : "");
+    li.dataset.id = chat.id;
+    const open = document.createElement("button");
+    open.type = "button";
+    open.className = "chat-open";
+    open.innerHTML = `<span class="chat-title"></span><span class="chat-meta"></span>`;
+    open.querySelector(".chat-title").textContent = chat.title;
+    open.querySelector(".chat-meta").textContent =
+      `${chat.model || "-"} · ${new Date(chat.updated).toLocaleString()}`;
+    open.addEventListener("click", () => { openChat(chat.id); closePanelOnPhone(); });
+    const rename = smallButton("Rename", () => renameChat(li, chat));
+    const remove = smallButton("Delete", () => deleteChat(chat));
+    li.append(open, rename, remove);
+    list.appendChild(li);
+  }
+  if (!chats.length) list.innerHTML = `<li class="hint">${query ? "No chat matches." : "No chats yet."}</li>`;
+}
+
+function smallButton(label, onClick) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = "small";
+  b.textContent = label;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+function renameChat(li, chat) {
+  const input = document.createElement("input");
+  input.className = "rename";
+  input.value = chat.title;
+  input.setAttribute("aria-label", "Chat title");
+  li.replaceChildren(input);
+  input.focus();
+  input.select();
+  const done = (keep) => {
+    if (keep && input.value.trim()) {
+      chat.title = input.value.trim().slice(0, 120);
+      saveChats();
+    }
+    renderChatList();
+  };
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter") done(true);
+    if (e.key === "Escape") done(false);
+  });
+  input.addEventListener("blur", () => done(true));
+}
+
+function deleteChat(chat) {
+  if (!confirm(`Delete the chat "${chat.title}"?`)) return;
+  delete state.chats[chat.id];
+  saveChats();
+  if (state.currentId === chat.id) openChat(null);
+  else renderChatList();
+}
+
+// --- messages -------------------------------------------------------------------------
+
+function renderMessages() {
+  const box = $("#messages");
+  box.textContent = "";
+  const chat = currentChat();
+  if (!chat || !chat.messages.length) {
+    box.innerHTML = '<p id="empty" class="empty">Ask anything. Enter sends, Shift+Enter starts a new line.</p>';
+    return;
+  }
+  chat.messages.forEach((message, index) => box.appendChild(messageNode(chat, message, index)));
+  box.scrollTop = box.scrollHeight;
+}
+
+function messageNode(chat, message, index) {
+  const node = document.createElement("div");
+  node.className = `msg ${message.role}`;
+  node.dataset.index = index;
+  const body = document.createElement("div");
+  body.className = "body";
+  if (message.role === "assistant") body.innerHTML = Markdown.render(message.content || "");
+  else body.textContent = message.content;
+  node.appendChild(body);
+  if (message.role === "assistant") {
+    if (message.error) {
+      const err = document.createElement("div");
+      err.className = "error";
+      err.textContent = message.error;
+      node.appendChild(err);
+    }
+    if (message.stats) node.appendChild(speedLine(message));
+    const actions = document.createElement("div");
+    actions.className = "actions";
+    const busy = Boolean(state.streaming);
+    const last = index === chat.messages.length - 1;
+    if (message.error && last) actions.appendChild(smallButton("Retry", () => regenerate(chat)));
+    else if (last && !busy && !message.pending) actions.appendChild(smallButton("Regenerate", () => regenerate(chat)));
+    if (message.content) actions.appendChild(smallButton("Copy", () => copyText(message.content)));
+    node.appendChild(actions);
+  } else if (message.role === "user" && !state.streaming) {
+    const actions = document.createElement("div");
+    actions.className = "actions";
+    actions.appendChild(smallButton("Edit", () => editMessage(chat, index, node)));
+    node.appendChild(actions);
+  }
+  return node;
+}
+
+function speedLine(message) {
+  const s = message.stats;
+  const line = document.createElement("div");
+  line.className = "speed";
+  const parts = [s.model];
+  if (s.tokens != null) parts.push(`${s.tokens} tokens`);
+  if (s.tokPerSec != null) parts.push(`${s.tokPerSec.toFixed(1)} tok/s`);
+  if (s.ttftMs != null) parts.push(`TTFT ${Math.round(s.ttftMs)} ms`);
+  if (s.stopped) parts.push("stopped");
+  let route = "route: local";
+  if (s.segments && s.segments.length) {
+    const stages = s.segments.map((seg) => `${seg.node} [${seg.layers[0]}:${seg.layers[1]}] ${Math.round(seg.ms)} ms`);
+    route = `route: ${s.route} (${s.segments.length} stage${s.segments.length > 1 ? "s" : ""}: ${stages.join(" → ")})`;
+  }
+  if (s.failovers) route += `, ${s.failovers} failover${s.failovers > 1 ? "s" : ""}`;
+  parts.push(route);
+  line.textContent = parts.join(" · ");
+  return line;
+}
+
+function editMessage(chat, index, node) {
+  const message = chat.messages[index];
+  const editor = document.createElement("div");
+  editor.className = "editor";
+  const area = document.createElement("textarea");
+  area.value = message.content;
+  area.rows = Math.min(10, message.content.split("\n").length + 1);
+  area.setAttribute("aria-label", "Edit message");
+  editor.append(area, smallButton("Save and send", () => {
+    if (!area.value.trim()) return;
+    chat.messages = chat.messages.slice(0, index);
+    chat.messages.push({ role: "user", content: area.value });
+    saveChats();
+    respond(chat);
+  }), smallButton("Cancel", () => renderMessages()));
+  node.replaceChildren(editor);
+  area.focus();
+}
+
+function regenerate(chat) {
+  if (state.streaming) return;
+  while (chat.messages.length && chat.messages[chat.messages.length - 1].role === "assistant") {
+    chat.messages.pop();
+  }
+  respond(chat);
+}
+
+function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  const area = document.createElement("textarea");
+  area.value = text;
+  document.body.appendChild(area);
+  area.select();
+  document.execCommand("copy");
+  area.remove();
+  return Promise.resolve();
+}
+
+// --- sending and streaming ------------------------------------------------------------
+
+async function send(text) {
+  if (!text.trim() || state.streaming) return;
+  const chat = ensureChat(text);
+  chat.messages.push({ role: "user", content: text });
+  chat.updated = Date.now();
+  saveChats();
+  await respond(chat);
+}
+
+function apiMessages(chat) {
+  const out = [];
+  if (state.settings.system.trim()) out.push({ role: "system", content: state.settings.system });
+  for (const m of chat.messages) {
+    if (m.role === "assistant" && (m.error || m.pending)) continue;
+    out.push({ role: m.role, content: m.content });
+  }
+  return out;
+}
+
+async function respond(chat) {
+  const model = $("#model").value;
+  chat.model = model;
+  const reply = { role: "assistant", content: "", pending: true };
+  const history = apiMessages(chat);
+  chat.messages.push(reply);
+  chat.updated = Date.now();
+  const controller = new AbortController();
+  state.streaming = { controller, chatId: chat.id };
+  setStreaming(true);
+  renderMessages();
+  const started = performance.now();
+  let firstAt = null;
+  try {
+    const body = {
+      model,
+      messages: history,
+      stream: true,
+      stream_options: { include_usage: true },
+      temperature: Number(state.settings.temperature),
+      max_tokens: Number(state.settings.maxTokens),
+    };
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    reply.stats = { model, route: response.headers.get("x-swarm-route") || "local" };
+    await readStream(response, (event) => {
+      if (event.error) throw new Error(event.error.message || "the node failed mid-reply");
+      const delta = event.choices && event.choices[0] && event.choices[0].delta;
+      if (delta && delta.content) {
+        if (firstAt === null) firstAt = performance.now();
+        reply.content += delta.content;
+        updateLastMessage(chat);
+      }
+      if (event.usage) reply.stats.tokens = event.usage.completion_tokens;
+      if (event.swarm) applySwarm(reply.stats, event.swarm);
+    });
+  } catch (err) {
+    if (err.name === "AbortError") {
+      reply.stats = reply.stats || { model };
+      reply.stats.stopped = true;
+    } else {
+      reply.error = err.message;
+    }
+  } finally {
+    delete reply.pending;
+    if (reply.stats && reply.stats.ttftMs == null && firstAt !== null) {
+      reply.stats.ttftMs = firstAt - started;  // a stopped reply: measured here
+    }
+    state.streaming = null;
+    chat.updated = Date.now();
+    saveChats();
+    setStreaming(false);
+    renderMessages();
+    renderChatList();
+    if (state.panel === "performance") renderPerformance();
+  }
+}
+
+function applySwarm(stats, swarm) {
+  const t = swarm.timing || {};
+  stats.route = swarm.route;
+  stats.nodes = swarm.nodes;
+  stats.segments = swarm.segments;
+  stats.failovers = swarm.failovers;
+  stats.ttftMs = t.ttft_ms;
+  stats.decodeMs = t.decode_ms;
+  stats.totalMs = t.total_ms;
+  if (stats.tokens > 1 && t.decode_ms > 0) stats.tokPerSec = (stats.tokens - 1) / (t.decode_ms / 1000);
+  stats.at = Date.now();
+}
+
+async function readStream(response, onEvent) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of block.split("\n")) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") return;
+        onEvent(JSON.parse(data));
+      }
+    }
+  }
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    if (body && body.error && body.error.message) return `${response.status}: ${body.error.message}`;
+  } catch { /* not JSON */ }
+  return `${response.status} ${response.statusText}`;
+}
+
+function updateLastMessage(chat) {
+  const nodes = $("#messages").querySelectorAll(".msg");
+  const last = nodes[nodes.length - 1];
+  const message = chat.messages[chat.messages.length - 1];
+  if (!last || !message) return renderMessages();
+  last.querySelector(".body").innerHTML = Markdown.render(message.content);
+  const box = $("#messages");
+  box.scrollTop = box.scrollHeight;
+}
+
+function setStreaming(on) {
+  $("#send").hidden = on;
+  $("#stop").hidden = !on;
+  updateStatus();
+}
+
+// --- side column ----------------------------------------------------------------------
+
+const PANEL_TITLES = { chats: "Chats", performance: "Performance", settings: "Settings" };
+
+function showPanel(name) {
+  state.panel = state.panel === name ? null : name;
+  $("#side").hidden = !state.panel;
+  for (const button of document.querySelectorAll("[data-panel]")) {
+    button.setAttribute("aria-pressed", String(button.dataset.panel === state.panel));
+  }
+  for (const key of Object.keys(PANEL_TITLES)) $(`#panel-${key}`).hidden = key !== state.panel;
+  $("#side-title").textContent = state.panel ? PANEL_TITLES[state.panel] : "";
+  clearInterval(state.timer);
+  state.timer = null;
+  if (state.panel === "chats") renderChatList();
+  if (state.panel === "settings") renderSettings();
+  if (state.panel === "performance") {
+    renderPerformance();
+    // Refreshed while open: holders (for the peer ids) and the charts.
+    state.timer = setInterval(async () => { await refreshModels(); renderPerformance(); }, 3000);
+  }
+}
+
+function closePanelOnPhone() {
+  if (window.matchMedia("(max-width: 760px)").matches && state.panel) showPanel(state.panel);
+}
+
+function lastStats() {
+  const all = Object.values(state.chats).flatMap((c) => c.messages.filter((m) => m.stats && m.stats.at));
+  return all.sort((a, b) => a.stats.at - b.stats.at).map((m) => m.stats);
+}
+
+function renderPerformance() {
+  const stats = lastStats();
+  const last = stats[stats.length - 1];
+  const cards = $("#route-cards");
+  cards.textContent = "";
+  if (!last) {
+    cards.innerHTML = '<p class="hint">No reply yet.</p>';
+    $("#link-time").textContent = "";
+  } else {
+    const segments = last.segments || [];
+    const tokens = Math.max(1, last.tokens || 1);
+    for (const [i, seg] of segments.entries()) {
+      const holder = state.holders[seg.node];
+      const card = document.createElement("div");
+      card.className = "stage-card";
+      card.innerHTML = `<div class="stage-title"></div><div class="stage-peer"></div><div class="stage-ms"></div>`;
+      card.querySelector(".stage-title").textContent = `Stage ${i + 1}: layers ${seg.layers[0]}:${seg.layers[1]}`;
+      card.querySelector(".stage-peer").textContent = holder ? holder.peer_id : seg.node;
+      card.querySelector(".stage-ms").textContent =
+        `${(seg.ms / tokens).toFixed(1)} ms per token (${Math.round(seg.ms)} ms in all)`;
+      cards.appendChild(card);
+    }
+    const computeMs = segments.reduce((sum, seg) => sum + seg.ms, 0);
+    if (last.tokens > 1 && last.decodeMs) {
+      const perToken = last.decodeMs / (last.tokens - 1);
+      const hops = last.route === "distributed" ? segments.length : 0;
+      const linkMs = hops ? Math.max(0, perToken - computeMs / tokens) / hops : 0;
+      $("#link-time").textContent = hops
+        ? `Links: about ${linkMs.toFixed(1)} ms per hop between stages (${perToken.toFixed(1)} ms per token, ${(computeMs / tokens).toFixed(1)} ms of it computing, ${hops} hops in the ring)`
+        : `Local: ${perToken.toFixed(1)} ms per token, no links between stages`;
+    } else {
+      $("#link-time").textContent = "";
+    }
+  }
+  renderChart(stats.slice(-20).map((s) => s.tokPerSec || 0));
+  const entry = selectedModel();
+  $("#swarm-line").textContent = entry && entry.swarm
+    ? `${entry.swarm.holders.length} holder(s) of ${entry.id}; ${entry.swarm.complete ? "every layer is served" : "layers are missing"}`
+    : "";
+}
+
+function renderChart(values) {
+  const svg = $("#speed-chart");
+  svg.textContent = "";
+  if (!values.length) return;
+  const max = Math.max(...values, 1);
+  const width = 300 / values.length;
+  values.forEach((v, i) => {
+    const h = (v / max) * 84;
+    const bar = document.createElementNS("http://www.w3.org/2000/svg", "rect");
+    bar.setAttribute("x", String(i * width + 1));
+    bar.setAttribute("y", String(96 - h));
+    bar.setAttribute("width", String(Math.max(1, width - 2)));
+    bar.setAttribute("height", String(h));
+    bar.setAttribute("class", "bar");
+    const title = document.createElementNS("http://www.w3.org/2000/svg", "title");
+    title.textContent = `${v.toFixed(1)} tok/s`;
+    bar.appendChild(title);
+    svg.appendChild(bar);
+  });
+  const label = document.createElementNS("http://www.w3.org/2000/svg", "text");
+  label.setAttribute("x", "2");
+  label.setAttribute("y", "10");
+  label.setAttribute("class", "axis");
+  label.textContent = `max ${max.toFixed(1)} tok/s`;
+  svg.appendChild(label);
+}
+
+function renderSettings() {
+  const s = state.settings;
+  $("#set-temperature").value = s.temperature;
+  $("#set-max-tokens").value = s.maxTokens;
+  $("#set-system").value = s.system;
+  $("#set-token").value = s.token;
+  const base = `${location.origin}/v1`;
+  $("#api-base").textContent = base;
+  const model = $("#model").value || "MODEL";
+  const auth = s.token ? ` -H "Authorization: Bearer $SWARMD_TOKEN"` : "";
+  const examples = {
+    curl: `curl ${base}/chat/completions -H "Content-Type: application/json"${auth} \\\n  -d '{"model": "${model}", "messages": [{"role": "user", "content": "Hello"}]}'`,
+    Python: `from openai import OpenAI\n\nclient = OpenAI(base_url="${base}", api_key="${s.token ? "sk-swarm-..." : "none"}")\nreply = client.chat.completions.create(\n    model="${model}",\n    messages=[{"role": "user", "content": "Hello"}],\n)\nprint(reply.choices[0].message.content)`,
+    JavaScript: `const response = await fetch("${base}/chat/completions", {\n  method: "POST",\n  headers: {"Content-Type": "application/json"${s.token ? ', "Authorization": "Bearer sk-swarm-..."' : ""}},\n  body: JSON.stringify({model: "${model}", messages: [{role: "user", content: "Hello"}]}),\n});\nconsole.log((await response.json()).choices[0].message.content);`,
+  };
+  const box = $("#examples");
+  box.textContent = "";
+  for (const [name, code] of Object.entries(examples)) {
+    const wrap = document.createElement("div");
+    wrap.className = "code";
+    wrap.innerHTML = `<span class="lang"></span><button type="button" class="copy-code">Copy</button><pre><code></code></pre>`;
+    wrap.querySelector(".lang").textContent = name;
+    wrap.querySelector("code").textContent = code;
+    box.appendChild(wrap);
+  }
+}
+
+function bindSettings() {
+  const bind = (sel, key, parse) => $(sel).addEventListener("change", (e) => {
+    state.settings[key] = parse(e.target.value);
+    saveSettings();
+    if (key === "token") refreshModels();
+    renderSettings();
+  });
+  bind("#set-temperature", "temperature", (v) => Math.min(2, Math.max(0, Number(v) || 0)));
+  bind("#set-max-tokens", "maxTokens", (v) => Math.max(1, Math.round(Number(v) || 1)));
+  bind("#set-system", "system", (v) => v);
+  bind("#set-token", "token", (v) => v.trim());
+}
+
+// --- wiring ---------------------------------------------------------------------------
+
+function init() {
+  $("#composer").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("#prompt").value;
+    if (!text.trim() || $("#send").disabled) return;
+    $("#prompt").value = "";
+    send(text);
+  });
+  $("#prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+      e.preventDefault();
+      $("#composer").requestSubmit();
+    }
+  });
+  $("#stop").addEventListener("click", () => state.streaming && state.streaming.controller.abort());
+  $("#new-chat").addEventListener("click", () => { openChat(null); $("#prompt").focus(); });
+  $("#model").addEventListener("change", updateStatus);
+  for (const button of document.querySelectorAll("[data-panel]")) {
+    button.addEventListener("click", () => showPanel(button.dataset.panel));
+  }
+  $("#side-close").addEventListener("click", () => state.panel && showPanel(state.panel));
+  $("#chat-search").addEventListener("input", renderChatList);
+  document.addEventListener("click", (e) => {
+    const button = e.target.closest(".copy-code");
+    if (!button) return;
+    copyText(button.parentElement.querySelector("code").textContent).then(() => {
+      button.textContent = "Copied";
+      setTimeout(() => { button.textContent = "Copy"; }, 1500);
+    });
+  });
+  window.addEventListener("popstate", () => openChat(idFromHash(), false));
+  bindSettings();
+  refreshModels().then(() => openChat(idFromHash(), false));
+  setInterval(refreshModels, 15000);
+}
+
+init();
