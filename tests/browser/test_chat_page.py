@@ -109,6 +109,12 @@ def test_chat_on_one_node(embedded_node: NodeProcess, page: Page) -> None:
     expect(page.locator(".msg.user .body").first).to_have_text("What is the capital of France?")
     expect(page.locator(".msg.assistant .speed")).to_be_visible()
 
+    # New chat empties the page; Back returns to the chat.
+    page.click("#new-chat")
+    expect(page.locator(".msg")).to_have_count(0)
+    page.go_back()
+    expect(page.locator(".msg.user .body").first).to_have_text("What is the capital of France?")
+
     page.click("[data-panel=performance]")
     cards = page.locator(".stage-card")
     expect(cards).to_have_count(1)
@@ -172,6 +178,28 @@ def test_a_failed_reply_shows_the_error_and_retries(embedded_node: NodeProcess, 
     page.fill("#chat-list .rename", "Greetings")
     page.press("#chat-list .rename", "Enter")
     expect(page.locator("#chat-list .chat-title").first).to_have_text("Greetings")
+    page.on("dialog", lambda dialog: dialog.accept())
+    items.first.get_by_role("button", name="Delete").click()
+    expect(page.locator("#chat-list .chat-item")).to_have_count(0)
+    expect(page.locator(".msg")).to_have_count(0)
+
+
+def test_markdown_is_escaped_and_reasoning_collapsed(
+    embedded_node: NodeProcess, page: Page
+) -> None:
+    page.goto(f"{embedded_node.url}/")
+    html = page.evaluate(
+        "(text) => Markdown.render(text)",
+        "<think>first, the sum</think>The **answer**:\n```python\nprint(1 < 2)\n```\n"
+        "<img src=x onerror=alert(1)> and [a link](https://example.org)",
+    )
+    assert '<details class="think"><summary>Reasoning</summary>' in html
+    assert "<details open" not in html  # collapsed by default
+    assert "<strong>answer</strong>" in html
+    assert '<button type="button" class="copy-code">Copy</button>' in html
+    assert "print(1 &lt; 2)" in html
+    assert "<img" not in html and "&lt;img src=x" in html
+    assert '<a href="https://example.org" target="_blank" rel="noopener noreferrer">' in html
 
 
 def test_the_page_fits_a_phone(embedded_node: NodeProcess, browser: Browser) -> None:
