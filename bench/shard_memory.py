@@ -1,9 +1,9 @@
 """Peak memory of loading one layer range of a sharded model, against the whole model.
 
 Shards the embedded model in three (into --out, once), then loads each range in a fresh
-process, runs one forward pass through it (so every weight is in memory) and prints its
-peak RSS (ru_maxrss), beside a process that only imports what loading needs (the floor
-every node pays: Python, torch, transformers).
+process, runs one forward pass and reads every weight (so all of it is in memory), and
+prints its peak RSS (ru_maxrss), beside a process that only imports what loading needs
+(the floor every node pays: Python, torch, transformers).
 
     .venv/bin/python bench/shard_memory.py --cache-dir /tmp/sw/cache --out /tmp/sw/smol3
 """
@@ -30,11 +30,15 @@ if layers != "none":
     source = resolve_model(sys.argv[1], sys.argv[1])
     model = load_model(source, layers, "float32")
     stage = model.stage
-    # One forward pass touches every weight: safetensors maps files lazily, so a load
-    # alone would not show what a serving node holds.
+    # safetensors maps files lazily, so a load alone would not show what a serving node
+    # holds. One forward pass, then a read of every weight: a forward pass reads only the
+    # embedding rows of its few tokens.
     hidden = torch.zeros(1, 4, stage.hidden_size)
     inputs = torch.tensor([[1, 2, 3, 4]]) if stage.is_first else hidden
     stage(inputs, stage.new_cache())
+    with torch.inference_mode():
+        for weight in stage.parameters():
+            weight.sum()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, time.monotonic() - started)
 """
 

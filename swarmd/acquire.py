@@ -85,12 +85,14 @@ def _lacks_files(source: ModelSource, layers: str) -> bool:
     manifest = source.manifest
     if manifest is None:
         return False
-    wanted = LayerRange.parse(layers, manifest.num_layers) if layers else _whole(manifest)
-    return bool(missing_files(source.model_dir, manifest.files_for(wanted)))
+    return bool(missing_files(source.model_dir, manifest.files_for(_wanted(manifest, layers))))
 
 
-def _whole(manifest: Manifest) -> LayerRange:
-    return LayerRange(0, manifest.num_layers)
+def _wanted(manifest: Manifest, layers: str) -> LayerRange:
+    """The range `layers` names ("START:END"; "" = every layer) of a manifest's model."""
+    if not layers:
+        return LayerRange(0, manifest.num_layers)
+    return LayerRange.parse(layers, manifest.num_layers)
 
 
 def _without_swarm(config: Config, local: ModelSource | None, cache_dir: Path) -> Acquired:
@@ -117,7 +119,7 @@ def _without_swarm(config: Config, local: ModelSource | None, cache_dir: Path) -
 def _cached(model_id: str, cache_dir: Path) -> ModelSource | None:
     """The most recently fetched manifest of `model_id` in the cache, if any."""
     found = sorted(
-        (cache_dir / "shards").glob(f"{_SAFE_ID.sub('-', model_id)}-*/{MANIFEST_FILE}"),
+        (cache_dir / "shards").glob(f"{_folder_stem(model_id)}-*/{MANIFEST_FILE}"),
         key=lambda p: p.stat().st_mtime,
     )
     if not found:
@@ -127,7 +129,12 @@ def _cached(model_id: str, cache_dir: Path) -> ModelSource | None:
 
 
 def _fetch_folder(cache_dir: Path, model_id: str, content_id: str) -> Path:
-    return cache_dir / "shards" / f"{_SAFE_ID.sub('-', model_id)}-{content_id[:16]}"
+    return cache_dir / "shards" / f"{_folder_stem(model_id)}-{content_id[:16]}"
+
+
+def _folder_stem(model_id: str) -> str:
+    """A model id as the start of a folder name in the cache."""
+    return _SAFE_ID.sub("-", model_id)
 
 
 def _place(
@@ -166,54 +173,50 @@ class _SwarmJob:
         # The node's own port: peers that saw this host keep dialing the address the
         # node will listen on once it serves (the same peer id, the same address).
         self._presence = SwarmPresence(identity, settings, None)
+        self._records: list[NodeRecord] = []  # the holders the last lookup found
 
     async def run(self) -> Acquired:
         acquired: Acquired | None = None
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._presence.run)
-                with trio.move_on_after(JOIN_TIMEOUT_S) as joining:
-                    await self._presence.wait_ready()
-                if joining.cancelled_caught:
-                    raise FetchError(
-                        f"Could not join the swarm within {JOIN_TIMEOUT_S:g} s to look for "
-                        f"the model's files (bootstrap: {', '.join(self._config.bootstrap)})"
-                    )
-                try:
-                    acquired = await self._acquire()
-                finally:
-                    nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # py-libp2p can raise while its host winds down (a peer's stream negotiating
-            # the DHT protocol just as the DHT stops: KeyError '/ipfs/kad/1.0.0'). Once
-            # the files are here, that is no reason to fail the node.
-            if acquired is None:
-                failure = _first(group, SwarmError)
-                if failure is not None:
-                    raise failure from None  # the reason, not trio's wrapping of it
-                raise
-            log.debug("the fetching host ended with %r", group)
+        failure: SwarmError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._presence.run)
+            try:
+                acquired = await self._acquire()
+            except SwarmError as exc:
+                failure = exc  # raised below, not wrapped in the nursery's exception group
+            finally:
+                nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         if acquired is None:
             raise FetchError("the swarm layer stopped before the model's files were settled")
         return acquired
 
     async def _acquire(self) -> Acquired:
+        with trio.move_on_after(JOIN_TIMEOUT_S) as joining:
+            await self._presence.wait_ready()
+        if joining.cancelled_caught:
+            raise FetchError(
+                f"Could not join the swarm within {JOIN_TIMEOUT_S:g} s to look for "
+                f"the model's files (bootstrap: {', '.join(self._config.bootstrap)})"
+            )
         acquired = await self._settle()
-        model_id = acquired.source.model_id
         own = self._presence.identity.peer_id
-        with trio.move_on_after(JOIN_TIMEOUT_S / 4):
-            records = await self._presence.holders(model_id)
-            addrs = tuple(r.addrs[0] for r in records if r.peer_id != own and r.addrs)
-            return Acquired(acquired.source, acquired.layers, addrs[:MAX_EXTRA_BOOTSTRAP])
-        return acquired
+        # The holders seen last (before or while fetching): no second lookup for them.
+        addrs = tuple(r.addrs[0] for r in self._records if r.peer_id != own and r.addrs)
+        return Acquired(acquired.source, acquired.layers, addrs[:MAX_EXTRA_BOOTSTRAP])
+
+    async def _holders(self, model_id: str) -> list[NodeRecord]:
+        self._records = await self._presence.holders(model_id)
+        return self._records
 
     async def _settle(self) -> Acquired:
         model_id = self._local.model_id if self._local is not None else self._config.model
-        records = await self._presence.holders(model_id)
+        records = await self._holders(model_id)
         local_manifest = self._local.manifest if self._local is not None else None
         if self._local is not None and local_manifest is None:
             # A local unsharded model: the swarm only tells which layers are covered.
-            held = [_range(r) for r in records if r.model_hash == ""]
+            held = [r.layers for r in records if r.model_hash == ""]
             placement = _place(self._config, self._local, None, held)
             return Acquired(self._local, str(placement.layers))
         if local_manifest is not None:
@@ -224,10 +227,9 @@ class _SwarmJob:
         same = [r for r in records if r.model_hash == manifest.content_id]
         layers = self._config.layers
         if layers == "auto":
-            held = [_range(r) for r in same]
+            held = [r.layers for r in same]
             layers = str(_place(self._config, None, manifest, held).layers)
-        wanted = LayerRange.parse(layers, manifest.num_layers) if layers else _whole(manifest)
-        await self._fetch(manifest, folder, model_id, wanted)
+        await self._fetch(manifest, folder, model_id, _wanted(manifest, layers))
         return Acquired(ModelSource(model_id, folder, manifest), layers)
 
     async def _take_manifest(self, model_id: str, records: list[NodeRecord]) -> Manifest:
@@ -289,36 +291,16 @@ class _SwarmJob:
             wanted,
         )
 
-        async def lookup() -> list[NodeRecord]:
-            return await self._presence.holders(model_id)
-
         settings = FetchSettings(deadline_s=self._config.fetch_timeout_s)
         # Two local nodes may fetch into one cache: one fetches, the other finds the files.
         with exclusive(folder.parent / f"{folder.name}.lock"), RichProgress() as progress:
-            entries = missing_files(folder, entries)
             fetcher = Fetcher(
                 self._presence.host,
                 manifest,
                 folder,
-                lookup,
+                lambda: self._holders(model_id),
                 self._presence.ban,
                 settings,
                 progress,
             )
             await fetcher.fetch(entries)
-
-
-def _first(group: BaseExceptionGroup, kind: type[SwarmError]) -> SwarmError | None:
-    """The first `kind` error inside a (nested) exception group."""
-    for exc in group.exceptions:
-        if isinstance(exc, kind):
-            return exc
-        if isinstance(exc, BaseExceptionGroup):
-            found = _first(exc, kind)
-            if found is not None:
-                return found
-    return None
-
-
-def _range(record: NodeRecord) -> LayerRange:
-    return LayerRange(record.layer_start, record.layer_end)

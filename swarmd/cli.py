@@ -6,8 +6,9 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -24,6 +25,8 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+T = TypeVar("T")
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -120,6 +123,17 @@ def run(
         pass
 
 
+def _ask(call: Coroutine[Any, Any, T]) -> T:
+    """Run one call to a node; a node that cannot be reached or says no exits 1."""
+    from swarmd.client import ClientError
+
+    try:
+        return asyncio.run(call)
+    except ClientError as exc:
+        typer.echo(f"swarmd: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
 @app.command()
 def chat(
     prompt: Annotated[str, typer.Argument(help="What to ask.")],
@@ -130,20 +144,16 @@ def chat(
     system: Annotated[str | None, typer.Option(help="A system prompt.")] = None,
 ) -> None:
     """Stream a reply from a running node to the terminal."""
-    from swarmd.client import ClientError, stream_chat
+    from swarmd.client import stream_chat
 
     messages: list[dict[str, Any]] = []
     if system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": prompt})
     options = {"max_tokens": max_tokens, "temperature": temperature}
-    try:
-        summary = asyncio.run(
-            stream_chat(url, model, messages, {k: v for k, v in options.items() if v is not None})
-        )
-    except ClientError as exc:
-        typer.echo(f"swarmd: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    summary = _ask(
+        stream_chat(url, model, messages, {k: v for k, v in options.items() if v is not None})
+    )
     typer.echo("")
     if summary:
         typer.echo(summary, err=True)
@@ -157,13 +167,9 @@ def peers(
     from rich.console import Console
     from rich.table import Table
 
-    from swarmd.client import ClientError, get_json
+    from swarmd.client import get_json
 
-    try:
-        report = asyncio.run(get_json(url, "/api/peers"))
-    except ClientError as exc:
-        typer.echo(f"swarmd: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    report = _ask(get_json(url, "/api/peers"))
     table = Table(title=f"peers of {report['peer_id']}")
     for column in ("peer", "connected", "rtt ms", "last seen", "serves", "failures"):
         table.add_column(column)
@@ -189,13 +195,9 @@ def diagnostics(
     ] = False,
 ) -> None:
     """Print a node's report: peers, coverage, last requests, failures, sessions."""
-    from swarmd.client import ClientError, get_text
+    from swarmd.client import get_text
 
-    try:
-        text = asyncio.run(get_text(url, "/api/admin/diagnostics" + ("?full=1" if full else "")))
-    except ClientError as exc:
-        typer.echo(f"swarmd: {exc}", err=True)
-        raise typer.Exit(1) from exc
+    text = _ask(get_text(url, "/api/admin/diagnostics" + ("?full=1" if full else "")))
     typer.echo(text, nl=False)
 
 

@@ -78,6 +78,10 @@ def _finite_positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def _finite_non_negative(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
 # field -> (accepts the value, what it must be); fields not named here take any value.
 _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "host": (lambda v: v != "", "a non-empty address"),
@@ -90,15 +94,15 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "queue_timeout_s": (_finite_positive, "a finite number > 0"),
     "step_timeout_s": (_finite_positive, "a finite number > 0"),
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
-    "default_temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "default_temperature": (_finite_non_negative, "a finite number >= 0"),
     "log_level": (lambda v: v in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}"),
     "layers": (
         lambda v: v in ("", "auto") or v.count(":") == 1,
         "START:END (e.g. 0:15), auto, or empty",
     ),
-    "memory_budget_gb": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "memory_budget_gb": (_finite_non_negative, "a finite number >= 0"),
     "max_file_transfers": (lambda v: v >= 1, ">= 1"),
-    "upload_limit_mb_s": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "upload_limit_mb_s": (_finite_non_negative, "a finite number >= 0"),
     "fetch_timeout_s": (_finite_positive, "a finite number > 0"),
     "p2p_host": (lambda v: v != "", "a non-empty address"),
     "p2p_port": (lambda v: -1 <= v <= 65535, "in -1..65535 (-1 = API port + 10, 0 = any)"),

@@ -52,7 +52,14 @@ T = TypeVar("T")
 
 
 class Node:
-    def __init__(self, config: Config, identity: Identity, model: LoadedModel) -> None:
+    def __init__(
+        self,
+        config: Config,
+        identity: Identity,
+        model: LoadedModel,
+        settings: SwarmSettings | None = None,
+    ) -> None:
+        """`settings`: the swarm settings `prepare` already made (else made from config)."""
         self.config = config
         self.identity = identity
         self.model = model
@@ -86,7 +93,10 @@ class Node:
         self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
         self.swarm = SwarmPresence(
-            identity, _swarm_settings(config), self._make_record, self._run_services
+            identity,
+            settings or _swarm_settings(config),
+            self._make_record,
+            self._run_services,
         )
         self.file_server: FileServer | None = None
         self._stage_service: StageService | None = None
@@ -103,12 +113,14 @@ class Node:
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
         # Settled before anything loads: the files (fetched from peers if need be) and
         # the layer range (chosen from the swarm's coverage with --layers auto).
-        acquired = acquire(config, identity, _swarm_settings(config))
+        settings = _swarm_settings(config)  # reads the swarm key: fails before any loading
+        acquired = acquire(config, identity, settings)
         model = load_model(acquired.source, acquired.layers or None, config.dtype)
         more = tuple(a for a in acquired.peer_addrs if a not in config.bootstrap)
         if more:
             config = dataclasses.replace(config, bootstrap=config.bootstrap + more)
-        return cls(config, identity, model)
+            settings = dataclasses.replace(settings, bootstrap=config.bootstrap)
+        return cls(config, identity, model, settings)
 
     async def start(self) -> None:
         logging.getLogger("swarmd").addHandler(self.failures)

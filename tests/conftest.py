@@ -175,20 +175,18 @@ def http_json(url: str, body: object | bytes, timeout_s: float = 60.0) -> tuple[
         return exc.code, json.loads(exc.read()), dict(exc.headers)
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_dir(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random-weight 4-layer Llama (hidden 64) with the embedded model's tokenizer."""
+def build_tiny_llama(out: Path, tokenizer_from: Path, num_layers: int) -> Path:
+    """A random-weight Llama (hidden 64, seed 0) with the embedded model's tokenizer."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    out = tmp_path_factory.mktemp("tiny-chat")
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=4,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=49152,
@@ -199,5 +197,21 @@ def tiny_chat_dir(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm_dir / name, out / name)
+        shutil.copy(tokenizer_from / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight 4-layer Llama (hidden 64) with the embedded model's tokenizer."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-chat"), smollm_dir, 4)
+
+
+@pytest.fixture(scope="session")
+def tiny_shards(tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_chat_dir` sharded by `swarmd shard` into 0:2, 2:3 and 3:4."""
+    out = tmp_path_factory.mktemp("tiny-shards") / "shards"
+    cmd = [sys.executable, "-m", "swarmd", "shard", str(tiny_chat_dir), "--out", str(out)]
+    cmd += ["--ranges", "0:2,2:3,3:4"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return out

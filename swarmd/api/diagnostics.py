@@ -22,7 +22,7 @@ from swarmd import __version__
 from swarmd.api.redact import Redactor
 from swarmd.dht.records import NodeRecord
 from swarmd.model.layers import LayerRange
-from swarmd.model.memory import available_memory_bytes
+from swarmd.model.memory import available_memory_bytes, rss_bytes, total_memory_bytes
 from swarmd.net.peers import PeerRow
 from swarmd.pipeline.placement import coverage, gaps
 from swarmd.pipeline.report import Failure, RequestRecord
@@ -37,16 +37,22 @@ MAX_FAILURES = 50
 async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str:
     connected, table, rejected = await node.peer_snapshot()
     now = time.time()
+    # Read once, so every section tells of the same moment.
+    ranges = {r.peer_id: r.layers for r in holders if r.state == "ready"}
+    ranges.setdefault(node.identity.peer_id, node.model.layers)
+    banned = node.banned()
+    requests = node.coordinator.ring.recent()[-MAX_REQUESTS:]
+    failures = node.failures.recent()[-MAX_FAILURES:]
     sections = [
         _header(node, full),
-        _section_summary(node, holders, connected),
+        _section_summary(node, holders, ranges, connected, banned, requests, failures),
         _section_node(node),
         _section_addresses(node),
         _section_peers(node, holders, connected, table, rejected, now),
         _section_models(node),
-        _section_coverage(node, holders),
-        _section_requests(node.coordinator.ring.recent()[-MAX_REQUESTS:]),
-        _section_failures(node.failures.recent()[-MAX_FAILURES:]),
+        _section_coverage(node, ranges, banned),
+        _section_requests(requests),
+        _section_failures(failures),
         _section_sessions(node),
     ]
     text = "\n\n".join(sections) + "\n"
@@ -75,19 +81,25 @@ def _rows(rows: list[list[str]]) -> str:
     )
 
 
-def _section_summary(node: Node, holders: list[NodeRecord], connected: list[str]) -> str:
+def _section_summary(
+    node: Node,
+    holders: list[NodeRecord],
+    ranges: dict[str, LayerRange],
+    connected: list[str],
+    banned: set[str],
+    recent: list[RequestRecord],
+    failures: list[Failure],
+) -> str:
     """The first screen: who holds what, the last request's route and time, what failed."""
     model = node.model
-    ranges = [_range(r) for r in holders if r.state == "ready"] + [model.layers]
-    missing = gaps(coverage(model.num_layers, ranges))
+    missing = gaps(coverage(model.num_layers, ranges.values()))
     cover = "complete" if not missing else "missing " + ", ".join(str(g) for g in missing)
     peers = {r.peer_id for r in holders} | {node.identity.peer_id}
     lines = [
         "== Summary",
         f"swarm     {len(peers)} holder(s) of {model.model_id}: {cover}; "
-        f"{len(connected)} peer(s) connected, {len(node.banned())} banned",
+        f"{len(connected)} peer(s) connected, {len(banned)} banned",
     ]
-    recent = node.coordinator.ring.recent()
     if recent:
         r = recent[-1]
         speed = "" if r.tok_per_sec is None else f", {r.tok_per_sec:.1f} tok/s"
@@ -100,7 +112,6 @@ def _section_summary(node: Node, holders: list[NodeRecord], connected: list[str]
         )
     else:
         lines.append("last req  (none yet)")
-    failures = node.failures.recent()
     if failures:
         stamp = time.strftime("%H:%M:%S", time.localtime(failures[-1].at))
         lines.append(f"last fail {stamp} {failures[-1].line[:200]}")
@@ -118,7 +129,7 @@ def _section_node(node: Node) -> str:
     import torch
 
     model = node.model
-    rss = _rss_bytes()
+    rss = rss_bytes()
     state = node.swarm_state()
     lines = [
         "== This node",
@@ -127,7 +138,7 @@ def _section_node(node: Node) -> str:
         f"torch {torch.__version__}",
         f"device        {_device(torch)}, torch threads {torch.get_num_threads()}",
         f"memory        rss {_mb(rss)}, available {_mb(available_memory_bytes())} "
-        f"of {_mb(_total_memory())}",
+        f"of {_mb(total_memory_bytes())}",
         f"uptime        {time.monotonic() - node.started_at:.0f} s; swarm {state}",
         f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
         f"({model.dtype_name})",
@@ -161,7 +172,7 @@ def _section_peers(
         record = by_peer.get(peer_id)
         rtt = "-" if row is None or row.rtt_ms is None else f"{row.rtt_ms:.1f}"
         seen = "-" if row is None or row.last_seen is None else f"{now - row.last_seen:.0f} s ago"
-        serves = "-" if record is None else f"{record.model_id} {_range(record)} ({record.state})"
+        serves = "-" if record is None else f"{record.model_id} {record.layers} ({record.state})"
         failures = "0" if row is None else str(row.failures)
         addrs = ",".join((record.addrs if record else ()) or (row.addrs if row else ())) or "-"
         rows.append(
@@ -212,10 +223,8 @@ def _section_models(node: Node) -> str:
     return "\n".join(lines)
 
 
-def _section_coverage(node: Node, holders: list[NodeRecord]) -> str:
+def _section_coverage(node: Node, ranges: dict[str, LayerRange], banned: set[str]) -> str:
     model = node.model
-    ranges: dict[str, LayerRange] = {r.peer_id: _range(r) for r in holders if r.state == "ready"}
-    ranges.setdefault(node.identity.peer_id, model.layers)
     counts = coverage(model.num_layers, ranges.values())
     lines = [f"== Layer coverage of {model.model_id} ({model.num_layers} layers)"]
     for peer_id, layer_range in sorted(ranges.items(), key=lambda kv: (kv[1].start, kv[1].end)):
@@ -230,7 +239,6 @@ def _section_coverage(node: Node, holders: list[NodeRecord]) -> str:
             f"gap {gap}: no holder; fill it with: swarmd run --model {model.model_id} "
             f"--layers {gap} --bootstrap <an address above> (or --layers auto)"
         )
-    banned = node.banned()
     usable = [r for p, r in ranges.items() if p not in banned]
     routable = model.is_whole or not gaps(coverage(model.num_layers, usable))
     lines.append(f"routable from this node: {'yes' if routable else 'no'}")
@@ -305,10 +313,6 @@ def _section_sessions(node: Node) -> str:
     return "\n".join(lines)
 
 
-def _range(record: NodeRecord) -> LayerRange:
-    return LayerRange(record.layer_start, record.layer_end)
-
-
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -333,21 +337,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _total_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (OSError, ValueError):
-        return None

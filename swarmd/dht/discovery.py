@@ -199,14 +199,6 @@ class Discovery:
         """The py-libp2p DHT itself (diagnostics and tests)."""
         return self._dht
 
-    @property
-    def peer_id(self) -> str:
-        return self._host.peer_id
-
-    @property
-    def config(self) -> DiscoveryConfig:
-        return self._config
-
     def routing_table_peers(self) -> list[str]:
         return sorted(str(pid) for pid in self._dht.routing_table.get_peer_ids())
 

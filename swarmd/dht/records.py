@@ -46,6 +46,7 @@ from swarmd.errors import (
     RecordTooLargeError,
     WrongOwnerError,
 )
+from swarmd.model.layers import LayerRange
 from swarmd.net.identity import Identity, public_key_from_peer_id, verify
 
 __all__ = [
@@ -114,6 +115,10 @@ class NodeRecord:
     api_url: str  # its HTTP API, "" if not published
     version: str  # swarmd version
     expires_at: float  # unix seconds
+
+    @property
+    def layers(self) -> LayerRange:
+        return LayerRange(self.layer_start, self.layer_end)
 
     def __post_init__(self) -> None:
         # Local convenience only: a list of addrs or an int number becomes the wire type.

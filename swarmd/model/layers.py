@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,4 +57,24 @@ def tiling_problem(ranges: Iterable[tuple[int, int]], num_layers: int) -> str | 
         at = end
     if at != num_layers:
         return f"the ranges end at layer {at}, the model has {num_layers}"
+    return None
+
+
+RECOMPUTED = -1  # `tensor_layer` of a buffer rebuilt from the config (rotary inv_freq)
+_DECODER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def tensor_layer(name: str, num_layers: int) -> int | None:
+    """The layer a checkpoint tensor travels with: its decoder layer, layer 0 for the
+    embeddings, the last layer for the final norm and the LM head; RECOMPUTED for a
+    buffer old checkpoints carry; None for a name this does not know."""
+    match = _DECODER_TENSOR.match(name)
+    if match:
+        return int(match.group(1))
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith(("model.norm.", "lm_head.")):
+        return num_layers - 1
+    if name.endswith("rotary_emb.inv_freq"):
+        return RECOMPUTED
     return None

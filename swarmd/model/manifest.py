@@ -18,6 +18,7 @@ peer) and checks every field before anything uses it. Hashing files lives in `sh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -92,7 +93,7 @@ class Manifest:
     files: tuple[FileEntry, ...]  # every node needs these (tokenizer, templates)
     shards: tuple[ShardEntry, ...]  # in layer order, covering [0, num_layers) once
 
-    @property
+    @functools.cached_property
     def content_id(self) -> str:
         return hashlib.sha256(_canonical(self.body())).hexdigest()
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
 
 from swarmd.errors import ModelLoadError
+from swarmd.model.layers import tensor_layer
 from swarmd.model.manifest import Manifest
 from swarmd.model.source import ModelSource
 
@@ -22,20 +22,39 @@ ITEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _SAFETENSORS_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2}
 _SAFETENSORS_ITEM |= {"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _FLOAT_TAGS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
-_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def available_memory_bytes() -> int:
     """Memory the OS can give without swapping (MemAvailable), or free pages elsewhere."""
+    available = _proc_kb("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return available
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (VmRSS); None where /proc does not tell."""
+    return _proc_kb("/proc/self/status", "VmRSS:")
+
+
+def total_memory_bytes() -> int | None:
     try:
-        with open("/proc/meminfo") as handle:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_kb(path: str, key: str) -> int | None:
+    """A `key: N kB` line of a /proc file, in bytes."""
+    try:
+        with open(path) as handle:
             for line in handle:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return None
 
 
 def layer_weight_bytes(
@@ -60,13 +79,9 @@ def _folder_layer_bytes(model_dir: Path, float_bytes: int) -> list[int]:
     for file in sorted(model_dir.glob("*.safetensors")):
         sizes.update(safetensors_sizes(file, float_bytes))
     for name, size in sizes.items():
-        match = _LAYER.match(name)
-        if match and int(match.group(1)) < num_layers:
-            out[int(match.group(1))] += size
-        elif name.startswith("model.embed_tokens."):
-            out[0] += size
-        elif name.startswith(("model.norm.", "lm_head.")):
-            out[-1] += size
+        layer = tensor_layer(name, num_layers)
+        if layer is not None and 0 <= layer < num_layers:
+            out[layer] += size
     if config.get("tie_word_embeddings") and "lm_head.weight" not in sizes:
         out[-1] += sizes.get("model.embed_tokens.weight", 0)  # the last stage's own head
     return out

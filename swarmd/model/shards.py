@@ -17,16 +17,16 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarmd.errors import ConfigError, ModelLoadError, ShardHashError
 from swarmd.model.families import supported_model_types
-from swarmd.model.layers import LayerRange, tiling_problem
+from swarmd.model.layers import RECOMPUTED, LayerRange, tensor_layer, tiling_problem
 from swarmd.model.manifest import (
     DEFAULT_CHUNK_BYTES,
     MANIFEST_FILE,
@@ -34,6 +34,9 @@ from swarmd.model.manifest import (
     Manifest,
     ShardEntry,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,6 @@ COMMON_FILES = (
     "generation_config.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
 _READ_BYTES = 1 << 20
 
 
@@ -151,8 +153,6 @@ def read_config(source_dir: Path) -> dict[str, object]:
 
 def write_shards(plan: ShardPlan) -> Manifest:
     """Write the shards, the common files and manifest.json into `plan.out_dir`."""
-    import torch
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from swarmd.model.loader import DTYPES
@@ -172,25 +172,19 @@ def write_shards(plan: ShardPlan) -> Manifest:
     shards: list[ShardEntry] = []
     stored: set[str] = set()
     for layer_range, names in zip(plan.ranges, groups, strict=True):
-        tensors: dict[str, torch.Tensor] = {}
-        for out_name, ckpt_name in names:
-            with safe_open(str(located[ckpt_name]), framework="pt") as handle:
-                tensor = handle.get_tensor(ckpt_name)
-            if cast is not None and tensor.is_floating_point():
-                tensor = tensor.to(cast)
-            tensors[out_name] = tensor.contiguous().clone()
-            stored.add(str(tensor.dtype).removeprefix("torch."))
+        tensors = _read_tensors(located, names, cast)
+        stored.update(str(t.dtype).removeprefix("torch.") for t in tensors.values())
         name = f"layers-{layer_range.start:05d}-{layer_range.end:05d}.safetensors"
         save_file(tensors, str(plan.out_dir / name), metadata={"format": "pt"})
         del tensors
-        shards.append(_shard_entry(plan.out_dir / name, layer_range, plan.chunk_bytes))
-        log.info("wrote %s (layers %s, %.1f MB)", name, layer_range, shards[-1].bytes / 1e6)
+        entry = _file_entry(plan.out_dir / name, plan.chunk_bytes)
+        shards.append(ShardEntry(**vars(entry), start=layer_range.start, end=layer_range.end))
+        log.info("wrote %s (layers %s, %.1f MB)", name, layer_range, entry.bytes / 1e6)
     files = []
     for name in COMMON_FILES:
         if (plan.source_dir / name).is_file():
             shutil.copyfile(plan.source_dir / name, plan.out_dir / name)
-            whole, chunks = hash_file(plan.out_dir / name, plan.chunk_bytes)
-            files.append(FileEntry(name, (plan.out_dir / name).stat().st_size, whole, chunks))
+            files.append(_file_entry(plan.out_dir / name, plan.chunk_bytes))
     manifest = Manifest(
         model_id=plan.model_id,
         architecture=str(config["model_type"]),
@@ -225,27 +219,40 @@ def _assign(
     groups: list[list[tuple[str, str]]] = [[] for _ in ranges]
     last = len(ranges) - 1
     for name in sorted(located):
-        match = _LAYER_TENSOR.match(name)
-        if match:
-            layer = int(match.group(1))
-            index = next((i for i, r in enumerate(ranges) if r.start <= layer < r.end), None)
-            if index is None:
-                raise ModelLoadError(f"Tensor '{name}' is for layer {layer}, past {num_layers}")
-            groups[index].append((name, name))
-        elif name.startswith("model.embed_tokens."):
-            groups[0].append((name, name))
-        elif name.startswith(("model.norm.", "lm_head.")):
-            groups[last].append((name, name))
-        elif name.endswith("rotary_emb.inv_freq"):
-            continue  # recomputed from the config; old checkpoints carry it
-        else:
+        layer = tensor_layer(name, num_layers)
+        if layer == RECOMPUTED:
+            continue
+        if layer is None:
             raise ModelLoadError(f"Tensor '{name}' belongs to no layer range; cannot shard it")
+        index = next((i for i, r in enumerate(ranges) if r.start <= layer < r.end), None)
+        if index is None:
+            raise ModelLoadError(f"Tensor '{name}' is for layer {layer}, past {num_layers}")
+        groups[index].append((name, name))
     if tied and "lm_head.weight" not in located:
         groups[last].append(("lm_head.weight", "model.embed_tokens.weight"))
     return groups
 
 
-def _shard_entry(path: Path, layer_range: LayerRange, chunk_bytes: int) -> ShardEntry:
+def _read_tensors(
+    located: dict[str, Path], names: list[tuple[str, str]], cast: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The tensors of one shard, each source file opened once, cast when asked."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for out_name, ckpt_name in names:
+        by_file.setdefault(located[ckpt_name], []).append((out_name, ckpt_name))
+    tensors: dict[str, torch.Tensor] = {}
+    for file, pairs in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for out_name, ckpt_name in pairs:
+                tensor = handle.get_tensor(ckpt_name)
+                if cast is not None and tensor.is_floating_point():
+                    tensor = tensor.to(cast)
+                tensors[out_name] = tensor.contiguous().clone()
+    return tensors
+
+
+def _file_entry(path: Path, chunk_bytes: int) -> FileEntry:
     whole, chunks = hash_file(path, chunk_bytes)
-    size = path.stat().st_size
-    return ShardEntry(path.name, size, whole, chunks, layer_range.start, layer_range.end)
+    return FileEntry(path.name, path.stat().st_size, whole, chunks)

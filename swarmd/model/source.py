@@ -9,7 +9,6 @@ in about a second. A sharded model's folder is used as it is, with its manifest.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import logging
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from swarmd.errors import ManifestError, ModelLoadError, ModelNotFoundError
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from swarmd.model.shards import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +89,6 @@ def _id_from_name(name: str) -> str:
     return name.strip().lower().replace(" ", "-")
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +102,7 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Convert a GGUF file to safetensors once; return the cached folder."""
-    digest = _file_sha256(gguf)
+    digest = file_sha256(gguf)
     models = cache_dir / "models"
     target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}"
     if (target / _DONE_MARKER).exists():

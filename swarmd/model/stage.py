@@ -80,7 +80,7 @@ class StageModule(nn.Module):
         nn.Module.__init__(sub)
         sub.layers_range = layers
         sub.num_model_layers = self.num_model_layers
-        sub.stage_config = _sub_config(self.stage_config, lo, hi)
+        sub.stage_config = _stage_config(self.stage_config, LayerRange(lo, hi))
         sub.hidden_size = self.hidden_size
         sub.vocab_size = self.vocab_size
         sub.embed = self.embed if layers.is_first() else None
@@ -164,15 +164,6 @@ def _renumbered(layer: nn.Module, index: int) -> nn.Module:
     if hasattr(copy_, "layer_idx"):
         copy_.layer_idx = index
     return copy_
-
-
-def _sub_config(stage_config: PretrainedConfig, lo: int, hi: int) -> PretrainedConfig:
-    sub = copy.deepcopy(stage_config)
-    sub.num_hidden_layers = hi - lo
-    layer_types = getattr(stage_config, "layer_types", None)
-    if layer_types:
-        sub.layer_types = list(layer_types[lo:hi])
-    return sub
 
 
 def _stage_config(config: PretrainedConfig, layers: LayerRange) -> PretrainedConfig:

@@ -28,7 +28,7 @@ import trio
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import FetchError, PeerError, RemoteError
 from swarmd.model.manifest import FileEntry, Manifest, ShardEntry
-from swarmd.model.shards import file_sha256
+from swarmd.model.shards import file_sha256, missing_files
 from swarmd.net.files import call_file_chunk, transfer_rate
 from swarmd.net.host import P2PHost
 
@@ -85,9 +85,8 @@ class Fetcher:
     async def fetch(self, entries: Sequence[FileEntry]) -> None:
         """Download every entry not yet in the folder; each is verified when this returns."""
         self._folder.mkdir(parents=True, exist_ok=True)
-        for entry in entries:
-            if (self._folder / entry.file).is_file():
-                continue  # verified by the loader, like any local file
+        # Files already here are left alone: the loader verifies them like any local file.
+        for entry in missing_files(self._folder, entries):
             await self._fetch_file(entry)
 
     async def _fetch_file(self, entry: FileEntry) -> None:
@@ -126,7 +125,7 @@ class Fetcher:
                         )
                     continue
                 waiting = False
-                handle.write(data)
+                await trio.to_thread.run_sync(handle.write, data)
                 fetched += len(data)
                 self.bytes_fetched += len(data)
                 self._progress.advance(entry.file, len(data))

@@ -63,7 +63,6 @@ class FileServer:
         self._manifest = manifest
         self._manifest_bytes = manifest.to_json()
         self._content_id = manifest.content_id
-        self._files = {e.file: e for e in (*manifest.files, *manifest.shards)}
         self._checked: dict[str, bool] = {entry.file: True for entry in verified}
         self._checking = trio.Lock()
         self._settings = settings
@@ -94,7 +93,7 @@ class FileServer:
         name, index = args.get("file"), args.get("index")
         if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
             raise MalformedFrameError("file_chunk: 'file' must be a file name", peer_id)
-        entry = self._files.get(name)
+        entry = self._manifest.entry(name)
         if entry is None or not await self._holds(entry):
             raise ModelNotFoundError(f"{self._content_id[:12]}/{name[:_MAX_NAME_CHARS]}")
         chunks = len(entry.chunks)

@@ -259,10 +259,6 @@ class FrameStream:
         self.protocol = str(stream.get_protocol())
 
     @property
-    def libp2p_stream(self) -> INetStream:
-        return self._stream
-
-    @property
     def is_usable(self) -> bool:
         return self._broken is None and not self._closed
 

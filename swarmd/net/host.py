@@ -84,7 +84,6 @@ class P2PHost:
     def __init__(self, libp2p_host: IHost, identity: Identity, config: HostConfig) -> None:
         self._host = libp2p_host
         self._config = config
-        self.identity = identity
         self.peer_id = identity.peer_id
         self.short_id = identity.short_id
         # Set by the owner of the host: who may open swarmd streams, and what to do with a
@@ -97,10 +96,6 @@ class P2PHost:
     def libp2p(self) -> IHost:
         """The py-libp2p host itself (to attach a DHT)."""
         return self._host
-
-    @property
-    def config(self) -> HostConfig:
-        return self._config
 
     @property
     def addrs(self) -> list[str]:

@@ -137,6 +137,18 @@ class SwarmPresence:
                     nursery.cancel_scope.cancel()
         except SwarmError as exc:
             self._fail(exc)
+        except BaseExceptionGroup as group:
+            cancelled, rest = group.split(trio.Cancelled)
+            if cancelled is None:
+                log.exception("the swarm layer failed")
+                self._fail(InternalError(f"the swarm layer failed: {group!r}"))
+                return
+            # Stopping: py-libp2p may raise as its host winds down (a peer's stream
+            # negotiating the DHT protocol as the DHT stops: KeyError '/ipfs/kad/1.0.0').
+            # That is no failure of this node; the cancellation goes on.
+            if rest is not None:
+                log.debug("while the swarm layer stopped: %r", rest)
+            raise cancelled from None
         except Exception as exc:  # a bug in the swarm layer: keep the API up, say so
             log.exception("the swarm layer failed")
             self._fail(InternalError(f"the swarm layer failed: {exc!r}"))

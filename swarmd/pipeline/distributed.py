@@ -24,7 +24,6 @@ from typing import Any, Protocol, TypeVar
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import InternalError, RouteFailedError, StageFailedError
-from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline import wire
 from swarmd.pipeline.chain import Hop
@@ -90,7 +89,7 @@ async def plan(
 
 
 def _hops(route: Route) -> list[Hop]:
-    return [Hop(s.peer_id[-8:], LayerRange(s.start, s.end)) for s in route.stages]
+    return [Hop(s.peer_id[-8:], s.layers) for s in route.stages]
 
 
 class DistributedChain:

@@ -69,10 +69,6 @@ class Ring:
         self._n = 0
         self._closed = False
 
-    @property
-    def route(self) -> tuple[wire.RouteHop, ...]:
-        return self._req.route
-
     async def open(self) -> None:
         req = self._req
         first, last = req.route[0].peer_id, req.route[-1].peer_id

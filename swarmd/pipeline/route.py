@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import NoRouteError
 from swarmd.model.layers import LayerRange
+from swarmd.pipeline.placement import coverage, gaps
 
 __all__ = [
     "Candidate",
@@ -194,7 +195,7 @@ def plan_route(
     )
     picks = planner.search(0, num_layers, frozenset())
     if picks is None:
-        raise NoRouteError(model_id, planner.missing(0, num_layers))
+        raise NoRouteError(model_id, planner.missing())
     return planner.route(picks, {})
 
 
@@ -273,9 +274,10 @@ class _Planner:
         by_peer: dict[str, Candidate] = {}
         for item in candidates:
             if isinstance(item, NodeRecord):
-                if not candidates_from_records([item], model_id, num_layers, config):
+                usable = candidates_from_records([item], model_id, num_layers, config)
+                if not usable:
                     continue
-                item = Candidate.from_record(item, config.default_layer_cost_s)
+                item = usable[0]
             if item.peer_id in banned or item.free_kv_tokens < need_tokens:
                 continue
             if item.start >= num_layers:
@@ -314,23 +316,10 @@ class _Planner:
             c.peer_id == peer_id and c.start <= start and end <= c.end for c in self.eligible
         )
 
-    def missing(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The merged ranges of [lo, hi) that no eligible candidate holds."""
-        gaps: list[tuple[int, int]] = []
-        at = lo
-        for start, end in sorted((c.start, c.end) for c in self.eligible):
-            if end <= at:
-                continue
-            if start >= hi:
-                break
-            if start > at:
-                gaps.append((at, start))
-            at = end
-            if at >= hi:
-                break
-        if at < hi:
-            gaps.append((at, hi))
-        return gaps
+    def missing(self) -> list[tuple[int, int]]:
+        """The merged ranges of the model that no eligible candidate holds."""
+        held = (LayerRange(c.start, c.end) for c in self.eligible)
+        return [(g.start, g.end) for g in gaps(coverage(self.num_layers, held))]
 
     def search(self, lo: int, hi: int, exclude: frozenset[str]) -> list[_Pick] | None:
         """The best stages over [lo, hi) with peers outside `exclude`; None if uncovered."""

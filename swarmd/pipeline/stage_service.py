@@ -302,7 +302,7 @@ class StageService:
                     await _report(down, wire.END_FRAME)
                     return
                 if kind == "fail" and req.hop > 0:  # an upstream failure: pass it on
-                    await _report(down, wire.fail_frame(**_fail_args(wire.parse_fail(frame))))
+                    await _report(down, _relayed(frame))
                     return
                 if kind != "step":
                     raise MalformedFrameError(f"a {kind} frame inside a session")
@@ -335,7 +335,7 @@ class StageService:
             frame = await down.recv(math.inf)
             if wire.frame_type(frame) != "fail":
                 raise MalformedFrameError("only fail frames travel upstream")
-            await _report(up, wire.fail_frame(**_fail_args(wire.parse_fail(frame))))
+            await _report(up, _relayed(frame))
         except MalformedFrameError as exc:
             why = f"bad frame from stage {down.peer_id[-8:]}: {exc}"
             await _report(up, wire.fail_frame(down.peer_id, why, "bad"))
@@ -364,8 +364,10 @@ class StageService:
             await self._ban(peer_id, why)
 
 
-def _fail_args(fail: wire.Fail) -> dict[str, str]:
-    return {"peer_id": fail.peer_id, "why": fail.why, "kind": fail.kind}
+def _relayed(frame: dict[str, Any]) -> dict[str, Any]:
+    """A failure report from another stage, checked, to pass on toward the coordinator."""
+    fail = wire.parse_fail(frame)
+    return wire.fail_frame(fail.peer_id, fail.why, fail.kind)
 
 
 def request_id_of(sid: str) -> str:

@@ -288,7 +288,7 @@ def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) ->
     if width != hidden_size:
         raise MalformedFrameError(f"hidden state {width} wide, this model is {hidden_size}")
     raw = frame.get("h")
-    itemsize = torch.empty((), dtype=wire_dtype).element_size()
+    itemsize = wire_dtype.itemsize
     if not isinstance(raw, bytes) or len(raw) != tokens * width * itemsize:
         raise MalformedFrameError(
             f"hidden state of {len(raw) if isinstance(raw, bytes) else '?'} bytes, "

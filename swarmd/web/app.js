@@ -418,12 +418,10 @@ async function respond(chat) {
 function applySwarm(stats, swarm) {
   const t = swarm.timing || {};
   stats.route = swarm.route;
-  stats.nodes = swarm.nodes;
   stats.segments = swarm.segments;
   stats.failovers = swarm.failovers;
   stats.ttftMs = t.ttft_ms;
   stats.decodeMs = t.decode_ms;
-  stats.totalMs = t.total_ms;
   if (stats.tokens > 1 && t.decode_ms > 0) stats.tokPerSec = (stats.tokens - 1) / (t.decode_ms / 1000);
   stats.at = Date.now();
 }

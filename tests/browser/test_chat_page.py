@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,7 +126,7 @@ def test_chat_on_one_node(embedded_node: NodeProcess, page: Page) -> None:
     send(page, "Write a very long story about a dragon who learns to sail.")
     long_reply = page.locator(".msg.assistant").last
     expect(page.locator("#stop")).to_be_visible()
-    wait_until(lambda: len(long_reply.locator(".body").inner_text()) > 40, 120, 0.2)
+    assert wait_until(lambda: len(long_reply.locator(".body").inner_text()) > 40, 120, 0.2)
     assert embedded_node.health()["in_flight"] == 1
     page.click("#stop")
     expect(long_reply.locator(".speed")).to_contain_text("stopped")
@@ -220,18 +218,10 @@ def test_the_page_fits_a_phone(embedded_node: NodeProcess, browser: Browser) -> 
         context.close()
 
 
-@pytest.fixture(scope="module")
-def shards(tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("page-swarm") / "shards"
-    cmd = [sys.executable, "-m", "swarmd", "shard", str(tiny_chat_dir), "--out", str(out)]
-    subprocess.run([*cmd, "--ranges", "0:2,2:3,3:4"], check=True, capture_output=True)
-    return out
-
-
 def test_a_three_node_swarm_in_the_page(
-    shards: Path, tmp_path_factory: pytest.TempPathFactory, page: Page
+    tiny_shards: Path, tmp_path_factory: pytest.TempPathFactory, page: Page
 ) -> None:
-    common = ["--model", str(shards), "--torch-threads", "1"]
+    common = ["--model", str(tiny_shards), "--torch-threads", "1"]
     with running_node(tmp_path_factory, "pa", [*common, "--layers", "0:2"]) as a:
         boot = ["--bootstrap", a.p2p_addrs[0]]
         with running_node(tmp_path_factory, "pb", [*common, "--layers", "2:3", *boot]):

@@ -33,12 +33,9 @@ IPV4 = re.compile(r"(?<![\d.])(?:\d{1,3}\.){3}\d{1,3}(?![\d.])")
 
 @pytest.fixture(scope="module")
 def swarm(
-    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_shards: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[NodeProcess]]:
-    shards = tmp_path_factory.mktemp("diag") / "shards"
-    cmd = [sys.executable, "-m", "swarmd", "shard", str(tiny_chat_dir), "--out", str(shards)]
-    subprocess.run([*cmd, "--ranges", "0:2,2:3,3:4"], check=True, capture_output=True)
-    common = ["--model", str(shards), "--torch-threads", "1"]
+    common = ["--model", str(tiny_shards), "--torch-threads", "1"]
     with running_node(tmp_path_factory, "a", [*common, "--layers", "0:2"]) as a:
         boot = ["--bootstrap", a.p2p_addrs[0]]
         with (

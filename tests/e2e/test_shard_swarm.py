@@ -19,10 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.conftest import NodeProcess, http_json, running_node, start_node, wait_until
+from tests.conftest import (
+    NodeProcess,
+    build_tiny_llama,
+    http_json,
+    running_node,
+    start_node,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -36,23 +41,7 @@ PROMPTS = ["What is the capital of France?", "Count from one to ten."]
 def shards(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny30 sharded in three, 64 KiB chunks (so a shard is many chunks)."""
     root = tmp_path_factory.mktemp("tiny30")
-    source = root / "hf"
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=30,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(source))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm_dir / name, source / name)
+    source = build_tiny_llama(root / "hf", smollm_dir, 30)
     out = root / "shards"
     cmd = [sys.executable, "-m", "swarmd", "shard", str(source), "--stages", "3"]
     cmd += ["--out", str(out), "--model-id", MODEL_ID, "--chunk-bytes", "65536"]

@@ -206,7 +206,8 @@ async def test_a_stream_without_usage_carries_swarm_on_the_finish_chunk(
     assert all("swarm" not in c for c in chunks[:-1])
 
 
-async def _disconnect_after(url: str, payload: dict[str, Any], seconds: float) -> None:
+async def _disconnect_when(url: str, payload: dict[str, Any], working: Callable[[], bool]) -> None:
+    """Send the request, then leave as soon as `working()` says the node is on it."""
     _reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     data = json.dumps(payload).encode()
     writer.write(
@@ -215,7 +216,8 @@ async def _disconnect_after(url: str, payload: dict[str, Any], seconds: float) -
         + data
     )
     await writer.drain()
-    await asyncio.sleep(seconds)  # the point of the test: leave while the node works
+    # The point of the test: leave while the node works (not before it started).
+    assert await poll(working, 10), "the node never started on the request"
     writer.close()
     await writer.wait_closed()
 
@@ -228,7 +230,7 @@ async def test_leaving_a_stream_that_sends_no_text_is_a_clean_disconnect(
     # Token 0 is a special token: every step decodes to no text, so no write fails and
     # only the per-step check can notice the client has gone.
     payload = body(max_tokens=400, stream=True, logit_bias={"0": 100})
-    await _disconnect_after(node.api_url, payload, 0.3)
+    await _disconnect_when(node.api_url, payload, lambda: node.runtime.cached_tokens > 0)
     assert await poll(lambda: node.coordinator.in_flight == 0, 3)
     assert node.runtime.session_count == 0
     diag = [r.message for r in caplog.records if "DIAG: request complete" in r.message]
@@ -252,7 +254,7 @@ async def test_leaving_during_prefill_stops_the_prefill(
     monkeypatch.setattr(node.runtime, "step", slow_step)
     long_prompt = "hello " * 300  # 300 one-token prefill steps of 10 ms at least
     payload = body(messages=[{"role": "user", "content": long_prompt}], stream=True)
-    await _disconnect_after(node.api_url, payload, 0.3)
+    await _disconnect_when(node.api_url, payload, lambda: steps > 0)
     assert await poll(lambda: node.coordinator.in_flight == 0, 3)
     assert steps < 200, steps  # the prefill stopped soon after the client left
     assert node.runtime.session_count == 0
