@@ -322,6 +322,7 @@ def bench_record(node: SwarmNode, start: int, end: int) -> NodeRecord:
         layer_end=end,
         num_layers=NUM_LAYERS,
         dtype="float16",
+        weights="fp32",
         free_kv_tokens=4096,
         throughput_tps=10.0,
         state="ready",

@@ -28,7 +28,7 @@ started = time.monotonic()
 if layers != "none":
     import torch
     source = resolve_model(sys.argv[1], sys.argv[1])
-    model = load_model(source, layers, "float32")
+    model = load_model(source, layers)
     stage = model.stage
     # safetensors maps files lazily, so a load alone would not show what a serving node
     # holds. One forward pass, then a read of every weight: a forward pass reads only the

@@ -29,10 +29,10 @@ import trio
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError, SwarmError
+from swarmd.model.hashing import missing_files
 from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
-from swarmd.model.shards import missing_files
 from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, exclusive, resolve_model
 from swarmd.net.fetch import Fetcher, FetchSettings
 from swarmd.net.files import call_manifest
@@ -61,7 +61,7 @@ class Acquired:
 def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
     """The model source and layer range this node will load (blocking)."""
     cache_dir = Path(config.cache_dir)
-    local = _local_source(config.model, cache_dir)
+    local = _local_source(config.model, cache_dir, config.weights)
     wants_auto = config.layers == "auto"
     if local is not None and not wants_auto and not _lacks_files(local, config.layers):
         return Acquired(local, config.layers)
@@ -71,10 +71,10 @@ def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acqu
     return trio.run(job.run)
 
 
-def _local_source(spec: str, cache_dir: Path) -> ModelSource | None:
+def _local_source(spec: str, cache_dir: Path, weights: str) -> ModelSource | None:
     """The model on this machine, or None for an id to look for in the swarm."""
     try:
-        return resolve_model(spec, cache_dir)
+        return resolve_model(spec, cache_dir, weights)
     except ModelNotFoundError:
         if Path(spec).expanduser().exists():
             raise  # a path that is there but is no model: say so, do not search
@@ -143,7 +143,7 @@ def _place(
     budget = (
         int(config.memory_budget_gb * 1e9) if config.memory_budget_gb else available_memory_bytes()
     )
-    per_layer = layer_weight_bytes(source, manifest, config.dtype)
+    per_layer = layer_weight_bytes(source, manifest, config.weights, config.dtype)
     placement = choose_layers(len(per_layer), per_layer, held, int(budget * WEIGHTS_SHARE))
     log.info(
         "--layers auto chose %s: %s (memory budget %.1f GB%s, %d%% of it for weights)",

@@ -61,8 +61,17 @@ def run(
     port: Annotated[int | None, typer.Option(help="API port (0 = any free port).")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Identity key and node state.")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="Converted models cache.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, float16 or bfloat16.")] = None,
-    torch_threads: Annotated[int | None, typer.Option(help="0 = all cores.")] = None,
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            help="Hold layer weights as int4, int8, bf16, fp16 or fp32 (auto: as the file is)."
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="What matrix kernels compute in: bfloat16, float16, float32 or auto."),
+    ] = None,
+    torch_threads: Annotated[int | None, typer.Option(help="0 = one per physical core.")] = None,
     layers: Annotated[
         str | None,
         typer.Option(help="Serve only layers START:END, e.g. 0:15; auto: what the swarm lacks."),
@@ -96,6 +105,7 @@ def run(
         "port": port,
         "data_dir": data_dir,
         "cache_dir": cache_dir,
+        "weights": weights,
         "dtype": dtype,
         "torch_threads": torch_threads,
         "layers": layers,
@@ -214,8 +224,11 @@ def shard(
     model_id: Annotated[
         str | None, typer.Option(help="The id nodes will find it by (default: from SOURCE).")
     ] = None,
-    dtype: Annotated[
-        str | None, typer.Option(help="Store weights as float32, float16 or bfloat16.")
+    weights: Annotated[
+        str | None,
+        typer.Option(
+            help="Store layer weights as int4, int8, bf16, fp16 or fp32 (default: as SOURCE is)."
+        ),
     ] = None,
     chunk_bytes: Annotated[
         int, typer.Option(help="Transfer piece size; each piece's SHA-256 is in the manifest.")
@@ -226,7 +239,7 @@ def shard(
     _setup_logging("INFO")
     try:
         manifest = _write_shards(
-            source, out, stages, ranges, model_id, dtype, chunk_bytes, cache_dir
+            source, out, stages, ranges, model_id, weights, chunk_bytes, cache_dir
         )
     except SwarmError as exc:
         typer.echo(f"swarmd: error: {exc}", err=True)
@@ -244,11 +257,12 @@ def _write_shards(
     stages: int | None,
     ranges: str | None,
     model_id: str | None,
-    dtype: str | None,
+    weights: str | None,
     chunk_bytes: int,
     cache_dir: Path | None,
 ) -> Manifest:
-    from swarmd.config import DTYPES, default_cache_dir
+    from swarmd.config import default_cache_dir
+    from swarmd.dtypes import AUTO, WEIGHT_FORMATS
     from swarmd.errors import ConfigError
     from swarmd.model.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
     from swarmd.model.shards import ShardPlan, even_ranges, parse_ranges, read_config, write_shards
@@ -256,11 +270,11 @@ def _write_shards(
 
     if (stages is None) == (ranges is None):
         raise ConfigError("give either --stages N or --ranges A:B,B:C,...")
-    if dtype is not None and dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}")
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}")
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ConfigError(f"--chunk-bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}")
-    resolved = resolve_model(source, cache_dir or default_cache_dir())
+    resolved = resolve_model(source, cache_dir or default_cache_dir(), weights or AUTO)
     if resolved.manifest is not None:
         raise ConfigError(f"{source} is already sharded; shard the original model instead")
     num_layers = int(read_config(resolved.model_dir)["num_hidden_layers"])  # type: ignore[call-overload]
@@ -274,7 +288,7 @@ def _write_shards(
         source_dir=resolved.model_dir,
         ranges=tuple(layer_ranges),
         out_dir=out,
-        dtype=dtype,
+        weights=weights or AUTO,
         chunk_bytes=chunk_bytes,
     )
     return write_shards(plan)

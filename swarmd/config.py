@@ -22,11 +22,11 @@ from typing import Any, get_type_hints
 
 import platformdirs
 
+from swarmd.dtypes import AUTO, COMPUTE_DTYPES, WEIGHT_FORMATS
 from swarmd.errors import ConfigError
 
 ENV_PREFIX = "SWARMD_"
 CONFIG_ENV_VAR = "SWARMD_CONFIG"
-DTYPES = ("float32", "float16", "bfloat16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -46,8 +46,11 @@ class Config:
     data_dir: Path = field(default_factory=_default_data_dir)  # identity key, node state
     # (load_config defaults it to <user data dir>/node-<port>: one identity per node)
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted models, per user
-    dtype: str = "float32"  # one of DTYPES
-    torch_threads: int = 0  # 0 = torch's default (all cores)
+    weights: str = (
+        "auto"  # layer matrices held as int4 | int8 | bf16 | fp16 | fp32; auto: as the file
+    )
+    dtype: str = "auto"  # matrix kernels compute in float32 | float16 | bfloat16; auto: by weights
+    torch_threads: int = 0  # 0 = one per physical core
     prefill_chunk_tokens: int = 256  # prompt tokens per forward step
     max_sessions: int = 16  # generations in flight; more wait in a queue
     queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 503
@@ -87,8 +90,15 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "host": (lambda v: v != "", "a non-empty address"),
     "port": (lambda v: 0 <= v <= 65535, "in 0..65535 (0 = any free port)"),
     "model": (lambda v: v != "", "a non-empty model id or path"),
-    "dtype": (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
-    "torch_threads": (lambda v: v >= 0, ">= 0 (0 = torch's default)"),
+    "weights": (
+        lambda v: v in (AUTO, *WEIGHT_FORMATS),
+        f"auto or one of {', '.join(WEIGHT_FORMATS)}",
+    ),
+    "dtype": (
+        lambda v: v in (AUTO, *COMPUTE_DTYPES),
+        f"auto or one of {', '.join(COMPUTE_DTYPES)}",
+    ),
+    "torch_threads": (lambda v: v >= 0, ">= 0 (0 = one per physical core)"),
     "prefill_chunk_tokens": (lambda v: v >= 1, ">= 1"),
     "max_sessions": (lambda v: v >= 1, ">= 1"),
     "queue_timeout_s": (_finite_positive, "a finite number > 0"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import signal
 import time
@@ -26,9 +27,12 @@ from swarmd.api.metrics import NodeMetrics, NodeState
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ConfigError, InternalError, SwarmError
-from swarmd.model.loader import DTYPES, LoadedModel, load_model
+from swarmd.model.loader import LoadedModel, load_model
+from swarmd.model.memory import keep_large_blocks_returnable, release_free_heap
 from swarmd.model.runtime import StageRuntime
+from swarmd.model.threads import keep_this_thread_single_threaded, physical_cores
 from swarmd.model.worker import TorchWorker
+from swarmd.model.worker_trio import run_job
 from swarmd.net.auth import load_swarm_key
 from swarmd.net.bridge import TrioBridge
 from swarmd.net.files import FileServer, FileServeSettings
@@ -63,12 +67,13 @@ class Node:
         self.config = config
         self.identity = identity
         self.model = model
-        self.worker = TorchWorker(config.torch_threads)
         self.failures = FailureRing()
         self.metrics = NodeMetrics(self._metrics_state())
         self.runtime = StageRuntime(
             model.stage, config.max_sessions, on_step=self.metrics.stage_forward.observe
         )
+        self.torch_threads = config.torch_threads or physical_cores()
+        self.worker = TorchWorker(self.runtime, self.torch_threads)
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,
             queue_timeout_s=config.queue_timeout_s,
@@ -78,7 +83,7 @@ class Node:
         chain_settings = ChainSettings(
             model_id=model.model_id,
             num_layers=model.num_layers,
-            vocab_size=int(model.config.vocab_size),
+            vocab_size=model.vocab_size,
             chunk_tokens=config.prefill_chunk_tokens,
             max_failovers=config.max_failovers,
             # The ring waits a little longer than a stage's own step limit, so a slow
@@ -88,7 +93,7 @@ class Node:
             ),
         )
         self.coordinator = Coordinator(
-            model, self.runtime, self.worker, identity.short_id, limits, self, chain_settings
+            model, self.worker, identity.short_id, limits, self, chain_settings
         )
         self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
@@ -109,13 +114,16 @@ class Node:
     @classmethod
     def prepare(cls, config: Config) -> Node:
         """The blocking part of start-up: identity and model loading."""
+        keep_this_thread_single_threaded()  # only the torch worker runs OpenMP teams
+        keep_large_blocks_returnable()
         identity = load_or_create_identity(Path(config.data_dir))
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
         # Settled before anything loads: the files (fetched from peers if need be) and
         # the layer range (chosen from the swarm's coverage with --layers auto).
         settings = _swarm_settings(config)  # reads the swarm key: fails before any loading
         acquired = acquire(config, identity, settings)
-        model = load_model(acquired.source, acquired.layers or None, config.dtype)
+        model = load_model(acquired.source, acquired.layers or None, config.weights, config.dtype)
+        release_free_heap()
         more = tuple(a for a in acquired.peer_addrs if a not in config.bootstrap)
         if more:
             config = dataclasses.replace(config, bootstrap=config.bootstrap + more)
@@ -203,9 +211,17 @@ class Node:
             return cached[1]
         records = await self.bridge.run(self.swarm.holders, model_id)
         # Only holders of the same weights, split the same way (the same manifest, or
-        # none on both sides): a hidden state means nothing to other weights.
-        own_hash = self.model.source.content_id
-        records = [r for r in records if r.model_hash == own_hash]
+        # none on both sides), held in the same format and computed in the same dtype: a
+        # hidden state means nothing to other weights, and a reply stays the one a
+        # single node of this kind gives.
+        model = self.model
+        records = [
+            r
+            for r in records
+            if r.model_hash == model.source.content_id
+            and r.weights == model.weights
+            and r.dtype == model.dtype_name
+        ]
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 
@@ -271,8 +287,8 @@ class Node:
             model_id=model.model_id,
             held=model.layers,
             num_layers=model.num_layers,
-            hidden_size=int(model.config.hidden_size),
-            vocab_size=int(model.config.vocab_size),
+            hidden_size=model.hidden_size,
+            vocab_size=model.vocab_size,
             context_length=model.context_length,
         )
         timeouts = StageTimeouts(
@@ -281,11 +297,13 @@ class Node:
             step_s=self.config.step_timeout_s,
         )
 
-        async def compute(fn: Callable[[], Any], timeout_s: float, must_run: bool) -> Any:
-            return await self.bridge.to_asyncio(self.worker.call(fn, timeout_s, must_run))
-
         service = StageService(
-            host, self.runtime, limits, DTYPES[model.dtype_name], compute, self.swarm.ban, timeouts
+            host,
+            limits,
+            model.hidden_dtype,
+            functools.partial(run_job, self.worker),
+            self.swarm.ban,
+            timeouts,
         )
         self._stage_service = service
         try:
@@ -306,6 +324,7 @@ class Node:
             layer_end=model.layers.end,
             num_layers=model.num_layers,
             dtype=model.dtype_name,
+            weights=model.weights,
             free_kv_tokens=free_slots * model.context_length,
             throughput_tps=self.coordinator.recent_tokens_per_second(),
             state="ready",
@@ -331,6 +350,7 @@ def _swarm_settings(config: Config) -> SwarmSettings:
 
 async def serve(config: Config) -> None:
     """Run a node until SIGINT or SIGTERM."""
+    keep_this_thread_single_threaded()  # the event loop's thread: see threads.py
     loop = asyncio.get_running_loop()
     node = await asyncio.to_thread(Node.prepare, config)
     stop = asyncio.Event()

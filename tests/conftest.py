@@ -33,8 +33,16 @@ def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_dir(test_cache_dir: Path) -> Path:
-    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once)."""
+    """The embedded SmolLM2-135M-Instruct as a node holds it by default (converted once):
+    int4 layers, an int8 table, tokenizer and config."""
     return resolve_model(EMBEDDED_MODEL_ID, test_cache_dir).model_dir
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32_dir(test_cache_dir: Path) -> Path:
+    """The embedded model dequantized to float32: a folder transformers loads as it
+    loads the GGUF itself (the references of the exact path)."""
+    return resolve_model(EMBEDDED_MODEL_ID, test_cache_dir, "fp32").model_dir
 
 
 @dataclass

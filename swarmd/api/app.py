@@ -84,7 +84,9 @@ async def health(request: web.Request) -> web.Response:
                 "id": model.model_id,
                 "layers": [model.layers.start, model.layers.end],
                 "num_layers": model.num_layers,
+                "weights": model.weights,
                 "dtype": model.dtype_name,
+                "backend": model.backend,
             }
         ],
         "in_flight": node.coordinator.in_flight,

@@ -136,12 +136,12 @@ def _section_node(node: Node) -> str:
         f"peer id       {node.identity.peer_id} (short id {node.identity.short_id})",
         f"version       swarmd {__version__}, python {platform.python_version()}, "
         f"torch {torch.__version__}",
-        f"device        {_device(torch)}, torch threads {torch.get_num_threads()}",
+        f"device        {_device(torch)}, torch threads {node.torch_threads}",
         f"memory        rss {_mb(rss)}, available {_mb(available_memory_bytes())} "
         f"of {_mb(total_memory_bytes())}",
         f"uptime        {time.monotonic() - node.started_at:.0f} s; swarm {state}",
         f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
-        f"({model.dtype_name})",
+        f"({model.weights} weights, {model.dtype_name} kernels, {model.backend})",
         f"api           {node.api_url or '-'}",
     ]
     return "\n".join(lines)

@@ -80,7 +80,7 @@ MAX_LAYERS = 10_000
 MAX_ADDRS = 16
 MAX_ADDR_CHARS = 256
 MAX_ID_CHARS = 128  # peer_id, model_id, model_hash
-MAX_SHORT_CHARS = 64  # dtype, version
+MAX_SHORT_CHARS = 64  # dtype, weights, version
 MAX_URL_CHARS = 256
 MAX_KV_TOKENS = 1 << 40
 STATES = frozenset({"ready", "loading", "draining"})
@@ -92,7 +92,7 @@ _UNPACK_LIMITS: dict[str, Any] = {
     "max_str_len": 4 * MAX_ADDR_CHARS,  # bytes: a 256-char string may take 4 bytes/char
     "max_bin_len": _SIGNATURE_BYTES,
     "max_array_len": MAX_ADDRS,
-    "max_map_len": 16,
+    "max_map_len": 17,  # the 15 fields, the signature and one spare (named in errors)
     "max_ext_len": 0,
 }
 
@@ -107,7 +107,8 @@ class NodeRecord:
     layer_start: int  # first layer served
     layer_end: int  # one past the last layer served
     num_layers: int  # layers in the whole model
-    dtype: str  # e.g. "float16"
+    dtype: str  # what its matrix kernels compute in, e.g. "bfloat16"
+    weights: str  # how its layer matrices are held, e.g. "int4" or "int4+int8"
     free_kv_tokens: int  # KV-cache tokens this node can still take
     throughput_tps: float  # measured tokens/s through its layers
     state: str  # "ready" | "loading" | "draining"
@@ -271,6 +272,7 @@ def _check_fields(fields: dict[str, Any]) -> None:
     start = _int(fields, "layer_start", 0, num_layers - 1)
     _int(fields, "layer_end", start + 1, num_layers)
     _text(fields, "dtype", MAX_SHORT_CHARS, empty_ok=False)
+    _text(fields, "weights", MAX_SHORT_CHARS, empty_ok=False)
     _int(fields, "free_kv_tokens", 0, MAX_KV_TOKENS)
     if _float(fields, "throughput_tps") < 0:
         raise MalformedRecordError("record field throughput_tps is negative")

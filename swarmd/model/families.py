@@ -1,19 +1,22 @@
-"""Which transformers classes build one stage of each supported architecture.
+"""Which transformers classes build one stage of each architecture of the exact path.
 
 A stage is built from the architecture's own decoder layer, norm and rotary classes, so
-its numbers match the full transformers model exactly. Only architectures whose decoder
-layers share Llama's call signature are listed; each has an exact-match test.
+its numbers match the full transformers model exactly (`--weights fp32 --dtype float32`).
+Only architectures whose decoder layers share Llama's call signature are listed; each has
+an exact-match test. The engine (`swarmd.engine`) runs these and Gemma 3 in every format.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-
-from torch import nn
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from swarmd.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -34,7 +37,14 @@ _PREFIXES = {
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_PREFIXES)
+    """Every architecture swarmd runs (by the engine or by transformers modules)."""
+    from swarmd.engine.arch import MODEL_TYPES
+
+    return sorted({*_PREFIXES, *MODEL_TYPES})
+
+
+def has_transformers_stage(config: dict[str, object]) -> bool:
+    return str(config.get("model_type")) in _PREFIXES
 
 
 def family_for(config: PretrainedConfig) -> Family:
@@ -42,8 +52,8 @@ def family_for(config: PretrainedConfig) -> Family:
     prefix = _PREFIXES.get(str(model_type))
     if prefix is None:
         raise ModelLoadError(
-            f"Architecture '{model_type}' is not supported; swarmd runs "
-            f"{', '.join(supported_model_types())}"
+            f"Architecture '{model_type}' has no transformers stage; those are "
+            f"{', '.join(sorted(_PREFIXES))}"
         )
     module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     return Family(

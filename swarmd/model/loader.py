@@ -1,80 +1,189 @@
-"""`LoadedModel`: what a node holds of one model (its stage, tokenizer and facts)."""
+"""`LoadedModel`: what a node holds of one model (its stage, tokenizer and facts), and
+`load_model`, which picks how the stage runs.
+
+Two backends run a stage:
+- **engine** (`swarmd.engine`): our own forward for the Llama family and Gemma 3, with
+  weights held int4 / int8 / bf16 / fp16 / fp32 and matrix kernels fed in `dtype`.
+- **transformers**: the architecture's own transformers modules in float32, bit-equal to
+  a plain transformers run. It runs `--weights fp32 --dtype float32` (the exact path) and
+  any family the engine does not cover.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
+from swarmd.dtypes import AUTO, COMPUTE_DTYPES, WEIGHT_FORMATS, default_compute_dtype, weights_label
 from swarmd.errors import ConfigError, ModelLoadError
+from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
-from swarmd.model.shards import verify_files
+from swarmd.model.runtime import Stage
 from swarmd.model.source import ModelSource
-from swarmd.model.stage import StageModule, load_stage
 from swarmd.model.text import TextCodec
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENGINE = "engine"
+TRANSFORMERS = "transformers"
 
 
 @dataclass(frozen=True)
 class LoadedModel:
     model_id: str
     source: ModelSource
-    config: PretrainedConfig
+    config: dict[str, Any]  # the Hugging Face config, as a dict
     layers: LayerRange
-    dtype_name: str
-    stage: StageModule
+    weights: str  # how the layer matrices are held: int4, int8, ..., or e.g. int4+int8
+    dtype_name: str  # what the matrix kernels read ("bfloat16", ...)
+    hidden_dtype: torch.dtype  # the hidden states this stage takes and gives
+    backend: str  # ENGINE or TRANSFORMERS
+    stage: Stage
     codec: TextCodec
 
     @property
     def num_layers(self) -> int:
-        return int(self.config.num_hidden_layers)
+        return int(self.config["num_hidden_layers"])
 
     @property
     def context_length(self) -> int:
-        return int(self.config.max_position_embeddings)
+        return int(self.config.get("max_position_embeddings") or 2048)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.stage.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.stage.hidden_size
 
     @property
     def is_whole(self) -> bool:
         return self.layers == LayerRange(0, self.num_layers)
 
 
-def load_model(source: ModelSource, layers: str | None, dtype_name: str) -> LoadedModel:
+def cpu_capability() -> str:
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def load_model(
+    source: ModelSource, layers: str | None, weights: str = AUTO, dtype: str = AUTO
+) -> LoadedModel:
     """Load the layer range `layers` ('START:END'; None = all) of a resolved model."""
-    if dtype_name not in DTYPES:
-        raise ConfigError(f"dtype '{dtype_name}' is not one of {', '.join(DTYPES)}")
-    config = _config(source)
-    num_layers = int(config.num_hidden_layers)
-    layer_range = LayerRange.parse(layers, num_layers) if layers else LayerRange(0, num_layers)
-    only: list[Path] | None = None
-    if source.manifest is not None:
-        # Every file this range needs is hashed before any of it is loaded or announced.
-        verify_files(source.model_dir, source.manifest.files_for(layer_range))
-        only = [source.model_dir / s.file for s in source.manifest.shards_for(layer_range)]
-    started = time.monotonic()
-    stage = load_stage(source.model_dir, config, layer_range, DTYPES[dtype_name], only)
+    if weights != AUTO and weights not in WEIGHT_FORMATS:
+        raise ConfigError(f"weights '{weights}' is not auto or one of {', '.join(WEIGHT_FORMATS)}")
+    if dtype != AUTO and dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"dtype '{dtype}' is not auto or one of {', '.join(COMPUTE_DTYPES)}")
+    config = read_config(source)
+    # The tokenizer first: its parse peaks above what it keeps, better before the weights.
     codec = TextCodec.load(source.model_dir)
+    num_layers = int(config["num_hidden_layers"])
+    layer_range = LayerRange.parse(layers, num_layers) if layers else LayerRange(0, num_layers)
+    files = _files(source, layer_range)
+    from swarmd.engine.load import held_format, stored_formats
+
+    stored = stored_formats(files)
+    if dtype == AUTO:
+        wanted = stored if weights == AUTO else {weights}
+        dtype = default_compute_dtype(frozenset(wanted), cpu_capability())
+    held = {held_format(fmt, weights, dtype) for fmt in stored or {"fp32"}}
+    started = time.monotonic()
+    backend, stage, hidden = _load_stage(
+        source, config, files, layer_range, weights, held, stored, dtype
+    )
+    label = weights_label(stage.weight_formats) if stage.weight_formats else weights_label(held)
     log.info(
-        "loaded %s layers %s of %d (%s) in %.2f s",
+        "loaded %s layers %s of %d (%s weights, %s kernels, %s) in %.2f s",
         source.model_id,
         layer_range,
         num_layers,
-        dtype_name,
+        label,
+        dtype,
+        "swarmd engine" if backend == ENGINE else "transformers modules",
         time.monotonic() - started,
     )
-    return LoadedModel(source.model_id, source, config, layer_range, dtype_name, stage, codec)
+    return LoadedModel(
+        source.model_id, source, config, layer_range, label, dtype, hidden, backend, stage, codec
+    )
 
 
-def _config(source: ModelSource) -> PretrainedConfig:
+def _files(source: ModelSource, layers: LayerRange) -> list[Path]:
+    """The weight files of `layers` (a sharded model's are verified first)."""
+    if source.manifest is not None:
+        # Every file this range needs is hashed before any of it is loaded or announced.
+        verify_files(source.model_dir, source.manifest.files_for(layers))
+        return [source.model_dir / s.file for s in source.manifest.shards_for(layers)]
+    index = source.model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({source.model_dir / f for f in weight_map.values()})
+    files = sorted(source.model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"No .safetensors files in {source.model_dir}")
+    return files
+
+
+def _load_stage(
+    source: ModelSource,
+    config: dict[str, Any],
+    files: list[Path],
+    layers: LayerRange,
+    weights: str,
+    held: set[str],
+    stored: set[str],
+    dtype: str,
+) -> tuple[str, Stage, torch.dtype]:
+    from swarmd.engine.arch import arch_spec, engine_covers
+
+    dense_files = stored <= {"fp32", "bf16", "fp16"}
+    exact = held == {"fp32"} and dtype == "float32" and dense_files
+    exact = exact and not config.get("rope_freq_factors")
+    if exact or not engine_covers(config):
+        from swarmd.model.families import has_transformers_stage
+
+        if has_transformers_stage(config):
+            if not exact:
+                raise ModelLoadError(
+                    f"{config.get('model_type')} runs through transformers modules, with float32 "
+                    "weights only: use --weights fp32 --dtype float32"
+                )
+            if not engine_covers(config):
+                log.info("the engine does not cover %s: transformers modules run it", config)
+            from swarmd.model.stage import load_stage
+
+            stage = load_stage(source.model_dir, _hf_config(config), layers, torch.float32, files)
+            return TRANSFORMERS, stage, torch.float32
+    from swarmd.engine.load import load_lean_stage
+    from swarmd.engine.stage import ACT
+
+    spec = arch_spec(config)
+    stage = load_lean_stage(files, spec, layers, weights, getattr(torch, dtype))
+    return ENGINE, stage, ACT
+
+
+def read_config(source: ModelSource) -> dict[str, Any]:
+    if source.manifest is not None:
+        return dict(source.manifest.config)
+    path = source.model_dir / "config.json"
     try:
-        if source.manifest is not None:
-            return AutoConfig.for_model(**source.manifest.config)
-        return AutoConfig.from_pretrained(str(source.model_dir))
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ModelLoadError(f"Cannot read the config of {source.model_dir}: {exc}") from exc
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict) or not isinstance(config.get("num_hidden_layers"), int):
+        raise ModelLoadError(f"{path} has no num_hidden_layers")
+    return config
+
+
+def _hf_config(config: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(**config)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"Cannot read the config: {exc}") from exc

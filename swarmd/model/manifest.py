@@ -1,10 +1,10 @@
 """The manifest of a sharded model: what its files are and the hashes they must have.
 
 A manifest (`manifest.json`, written by `swarmd shard`) names the model id, the
-architecture and its config, the number of layers, the files every node needs (tokenizer,
-chat template, generation config) and the shards: each a layer range [start, end) with
-file name, size, SHA-256 and the SHA-256 of every `chunk_bytes` piece of it. The chunk
-hashes let a node that fetches a shard from peers check each piece as it arrives, so a
+architecture and its config, the number of layers, the format the weights are stored
+in, the files every node needs (tokenizer, chat template, generation config) and the
+shards: each a layer range [start, end) with file name, size, SHA-256 and the SHA-256
+of every `chunk_bytes` piece of it. The chunk hashes let a node that fetches a shard from peers check each piece as it arrives, so a
 holder that sends wrong bytes is caught at the first bad chunk and a broken transfer
 resumes from the last good one.
 
@@ -27,10 +27,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from swarmd.dtypes import WEIGHT_FORMATS, label_formats
 from swarmd.errors import ManifestError
 from swarmd.model.layers import LayerRange, tiling_problem
 
-MANIFEST_FORMAT = "swarmd-manifest/1"
+MANIFEST_FORMAT = "swarmd-manifest/2"  # /2: the weights field
 MANIFEST_FILE = "manifest.json"
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024  # one frame per chunk; 4 MiB ran at ~115 MB/s here
 MIN_CHUNK_BYTES = 64 * 1024
@@ -50,6 +51,7 @@ _TOP_KEYS = frozenset(
         "config",
         "num_layers",
         "dtype",
+        "weights",
         "chunk_bytes",
         "files",
         "shards",
@@ -88,7 +90,8 @@ class Manifest:
     architecture: str  # the config's model_type, e.g. "llama"
     config: dict[str, Any]  # the Hugging Face config.json, as a dict
     num_layers: int
-    dtype: str  # the dtype the tensors are stored in
+    dtype: str  # the dtypes the tensors are stored in, joined by '+'
+    weights: str  # how the layer matrices are stored: int4, int8, bf16, ... or int4+int8
     chunk_bytes: int
     files: tuple[FileEntry, ...]  # every node needs these (tokenizer, templates)
     shards: tuple[ShardEntry, ...]  # in layer order, covering [0, num_layers) once
@@ -106,6 +109,7 @@ class Manifest:
             "config": self.config,
             "num_layers": self.num_layers,
             "dtype": self.dtype,
+            "weights": self.weights,
             "chunk_bytes": self.chunk_bytes,
             "files": [_file_json(f) for f in self.files],
             "shards": [{"start": s.start, "end": s.end, **_file_json(s)} for s in self.shards],
@@ -194,13 +198,16 @@ def parse_manifest(raw: bytes, expected_id: str | None = None) -> Manifest:
     if config.get("num_hidden_layers") != num_layers:
         raise ManifestError("manifest config's num_hidden_layers is not its num_layers")
     dtype = _text(data["dtype"], "dtype")
+    weights = _text(data["weights"], "weights")
+    if not label_formats(weights) or not label_formats(weights) <= set(WEIGHT_FORMATS):
+        raise ManifestError(f"manifest weights {weights[:40]!r} are not of {WEIGHT_FORMATS}")
     chunk_bytes = _int(data["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
     files = tuple(_file(item, chunk_bytes, "files") for item in _list(data["files"], "files"))
     shards = tuple(_shard(item, chunk_bytes) for item in _list(data["shards"], "shards"))
     _check_layout(num_layers, shards)
     _check_names([f.file for f in (*files, *shards)])
     manifest = Manifest(
-        model_id, architecture, config, num_layers, dtype, chunk_bytes, files, shards
+        model_id, architecture, config, num_layers, dtype, weights, chunk_bytes, files, shards
     )
     actual = manifest.content_id
     for wanted, what in ((claimed, "its own content_id field"), (expected_id, "the id asked for")):

@@ -9,21 +9,44 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
 
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import Sampler, SamplingParams
-from swarmd.model.stage import StageModule
+
+
+class Stage(Protocol):
+    """Layers [start, end) of a model, runnable on their own: the engine's `LeanStage` or
+    the transformers-modules `StageModule`."""
+
+    layers_range: LayerRange
+    vocab_size: int
+    hidden_size: int
+
+    @property
+    def is_first(self) -> bool: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+    @property
+    def weight_formats(self) -> set[str]: ...
+
+    def new_cache(self, max_length: int) -> Any: ...
+
+    def view(self, layers: LayerRange) -> Stage: ...
+
+    def __call__(self, inputs: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
 
 @dataclass
 class StageSession:
     session_id: str
-    module: StageModule  # the layers this session runs (all this node holds, or part)
-    cache: DynamicCache
+    module: Stage  # the layers this session runs (all this node holds, or part)
+    cache: Any  # the stage's KV cache for this session
     max_length: int  # tokens this session may hold in its cache
     sampler: Sampler | None  # only on the last stage
     length: int = 0
@@ -46,7 +69,7 @@ class StepResult:
 class StageRuntime:
     def __init__(
         self,
-        stage: StageModule,
+        stage: Stage,
         max_sessions: int,
         on_step: Callable[[float], None] | None = None,
     ) -> None:
@@ -55,7 +78,7 @@ class StageRuntime:
         self._on_step = on_step
         self.max_sessions = max_sessions
         self._sessions: dict[str, StageSession] = {}
-        self._views: dict[LayerRange, StageModule] = {}
+        self._views: dict[LayerRange, Stage] = {}
 
     @property
     def session_count(self) -> int:
@@ -96,7 +119,7 @@ class StageRuntime:
             for token in history or []:
                 sampler.observe(token)
         self._sessions[session_id] = StageSession(
-            session_id, module, module.new_cache(), max_length, sampler
+            session_id, module, module.new_cache(max_length), max_length, sampler
         )
 
     def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> StepResult:
@@ -123,7 +146,20 @@ class StageRuntime:
         hidden = None if module.is_last else out
         return StepResult(hidden, token, elapsed)
 
-    def _view(self, layers: LayerRange | None) -> StageModule:
+    def warm_up(self) -> None:
+        """One small prefill and one decode step on the held stage, outside any session:
+        the first request then finds the kernels, thread team and tables ready."""
+        stage = self.stage
+        cache = stage.new_cache(8)
+        if stage.is_first:
+            chunks = [torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)]
+        else:
+            chunks = [torch.zeros(1, 4, stage.hidden_size), torch.zeros(1, 1, stage.hidden_size)]
+        with torch.inference_mode():
+            for chunk in chunks:
+                stage(chunk, cache)
+
+    def _view(self, layers: LayerRange | None) -> Stage:
         if layers is None:
             return self.stage
         view = self._views.get(layers)

@@ -13,19 +13,19 @@ it to the embeddings (a last shard without layer 0 has no embeddings to tie to).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from swarmd.errors import ConfigError, ModelLoadError, ShardHashError
+from swarmd.dtypes import AUTO, DENSE, head_format, weights_label
+from swarmd.errors import ConfigError, ModelLoadError
+from swarmd.model import quant
 from swarmd.model.families import supported_model_types
+from swarmd.model.hashing import hash_file
 from swarmd.model.layers import RECOMPUTED, LayerRange, tensor_layer, tiling_problem
 from swarmd.model.manifest import (
     DEFAULT_CHUNK_BYTES,
@@ -34,9 +34,8 @@ from swarmd.model.manifest import (
     Manifest,
     ShardEntry,
 )
-
-if TYPE_CHECKING:
-    import torch
+from swarmd.model.quant import StoredTensors, target_format
+from swarmd.model.tensorfile import TensorSpec, TensorWriter, tensor_files
 
 log = logging.getLogger(__name__)
 
@@ -57,48 +56,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _READ_BYTES = 1 << 20
 
 
-# --- hashing and verification -----------------------------------------------------------
-
-
-def hash_file(path: Path, chunk_bytes: int) -> tuple[str, tuple[str, ...]]:
-    """SHA-256 of the whole file and of each `chunk_bytes` piece."""
-    whole = hashlib.sha256()
-    chunks: list[str] = []
-    with path.open("rb") as handle:
-        while piece := handle.read(chunk_bytes):
-            whole.update(piece)
-            chunks.append(hashlib.sha256(piece).hexdigest())
-    return whole.hexdigest(), tuple(chunks)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(_READ_BYTES):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def missing_files(folder: Path, entries: Iterable[FileEntry]) -> list[FileEntry]:
-    return [e for e in entries if not (folder / e.file).is_file()]
-
-
-def verify_files(folder: Path, entries: Iterable[FileEntry]) -> None:
-    """Hash each file against its entry; ShardHashError names the file and both hashes."""
-    started, total = time.monotonic(), 0
-    for entry in entries:
-        path = folder / entry.file
-        if not path.is_file():
-            raise ModelLoadError(f"{path} is missing (the manifest lists it)")
-        actual = file_sha256(path)
-        if actual != entry.sha256:
-            raise ShardHashError(str(path), entry.sha256, actual)
-        total += entry.bytes
-    log.info(
-        "verified %.1f MB against the manifest in %.2f s", total / 1e6, time.monotonic() - started
-    )
-
-
 # --- the writer -------------------------------------------------------------------------
 
 
@@ -108,7 +65,7 @@ class ShardPlan:
     source_dir: Path  # a Hugging Face folder: config.json, *.safetensors, tokenizer
     ranges: tuple[LayerRange, ...]
     out_dir: Path
-    dtype: str | None = None  # cast floating tensors to this; None keeps the source's
+    weights: str = AUTO  # the layer matrices' format; auto keeps the source's
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
 
@@ -153,11 +110,6 @@ def read_config(source_dir: Path) -> dict[str, object]:
 
 def write_shards(plan: ShardPlan) -> Manifest:
     """Write the shards, the common files and manifest.json into `plan.out_dir`."""
-    from safetensors.torch import save_file
-
-    from swarmd.model.loader import DTYPES
-    from swarmd.model.stage import tensor_files
-
     config = read_config(plan.source_dir)
     num_layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
     if not any((plan.source_dir / name).is_file() for name in _TOKENIZER_FILES):
@@ -166,39 +118,46 @@ def write_shards(plan: ShardPlan) -> Manifest:
             "could load the shards but not answer a request"
         )
     _prepare_out(plan.out_dir)
-    located = tensor_files(plan.source_dir)
-    groups = _assign(located, plan.ranges, num_layers, bool(config.get("tie_word_embeddings")))
-    cast = DTYPES[plan.dtype] if plan.dtype else None
+    files = sorted(set(tensor_files(plan.source_dir).values()))
     shards: list[ShardEntry] = []
     stored: set[str] = set()
-    for layer_range, names in zip(plan.ranges, groups, strict=True):
-        tensors = _read_tensors(located, names, cast)
-        stored.update(str(t.dtype).removeprefix("torch.") for t in tensors.values())
-        name = f"layers-{layer_range.start:05d}-{layer_range.end:05d}.safetensors"
-        save_file(tensors, str(plan.out_dir / name), metadata={"format": "pt"})
-        del tensors
-        entry = _file_entry(plan.out_dir / name, plan.chunk_bytes)
-        shards.append(ShardEntry(**vars(entry), start=layer_range.start, end=layer_range.end))
-        log.info("wrote %s (layers %s, %.1f MB)", name, layer_range, entry.bytes / 1e6)
-    files = []
+    matrix_formats: set[str] = set()
+    with StoredTensors(files) as source:
+        tied = bool(config.get("tie_word_embeddings"))
+        groups = _assign(source.logical_names(), plan.ranges, num_layers, tied)
+        for layer_range, names in zip(plan.ranges, groups, strict=True):
+            name = f"layers-{layer_range.start:05d}-{layer_range.end:05d}.safetensors"
+            written = _write_shard(source, names, plan.weights, plan.out_dir / name)
+            for spec, fmt in written:
+                stored.add(spec.tag)
+                if fmt is not None:
+                    matrix_formats.add(fmt)
+            entry = _file_entry(plan.out_dir / name, plan.chunk_bytes)
+            shards.append(ShardEntry(**vars(entry), start=layer_range.start, end=layer_range.end))
+            log.info("wrote %s (layers %s, %.1f MB)", name, layer_range, entry.bytes / 1e6)
+    common = []
     for name in COMMON_FILES:
         if (plan.source_dir / name).is_file():
             shutil.copyfile(plan.source_dir / name, plan.out_dir / name)
-            files.append(_file_entry(plan.out_dir / name, plan.chunk_bytes))
+            common.append(_file_entry(plan.out_dir / name, plan.chunk_bytes))
     manifest = Manifest(
         model_id=plan.model_id,
         architecture=str(config["model_type"]),
         config=config,
         num_layers=num_layers,
-        dtype="+".join(sorted(stored)),
+        dtype="+".join(sorted(_TAG_NAMES.get(tag, tag.lower()) for tag in stored)),
+        weights=weights_label(matrix_formats),
         chunk_bytes=plan.chunk_bytes,
-        files=tuple(files),
+        files=tuple(common),
         shards=tuple(shards),
     )
     scratch = plan.out_dir / f".{MANIFEST_FILE}.tmp"
     scratch.write_bytes(manifest.to_json())
     os.replace(scratch, plan.out_dir / MANIFEST_FILE)  # last: a manifest means complete
     return manifest
+
+
+_TAG_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "I8": "int8", "U8": "uint8"}
 
 
 def _prepare_out(out_dir: Path) -> None:
@@ -208,7 +167,7 @@ def _prepare_out(out_dir: Path) -> None:
 
 
 def _assign(
-    located: dict[str, Path], ranges: Iterable[LayerRange], num_layers: int, tied: bool
+    names: Iterable[str], ranges: Iterable[LayerRange], num_layers: int, tied: bool
 ) -> list[list[tuple[str, str]]]:
     """For each range, (name in the shard, name in the checkpoint) of its tensors.
 
@@ -216,9 +175,10 @@ def _assign(
     otherwise be dropped without a word.
     """
     ranges = list(ranges)
+    names = sorted(names)
     groups: list[list[tuple[str, str]]] = [[] for _ in ranges]
     last = len(ranges) - 1
-    for name in sorted(located):
+    for name in names:
         layer = tensor_layer(name, num_layers)
         if layer == RECOMPUTED:
             continue
@@ -228,29 +188,50 @@ def _assign(
         if index is None:
             raise ModelLoadError(f"Tensor '{name}' is for layer {layer}, past {num_layers}")
         groups[index].append((name, name))
-    if tied and "lm_head.weight" not in located:
+    if tied and "lm_head.weight" not in names:
         groups[last].append(("lm_head.weight", "model.embed_tokens.weight"))
     return groups
 
 
-def _read_tensors(
-    located: dict[str, Path], names: list[tuple[str, str]], cast: torch.dtype | None
-) -> dict[str, torch.Tensor]:
-    """The tensors of one shard, each source file opened once, cast when asked."""
-    from safetensors import safe_open
+def _shard_format(name: str, stored: str, shape: tuple[int, ...], weights: str) -> str:
+    """The format tensor `name` is written in: --weights for the layer matrices, the
+    tables' rule for embeddings and head, the dense format (or as stored) otherwise."""
+    if weights == AUTO:
+        return stored
+    if _is_layer_matrix(name, shape):
+        return target_format(weights, shape)
+    if name in _TABLES:
+        return target_format(head_format(weights), shape)
+    return weights if weights in DENSE and stored in DENSE else stored
 
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for out_name, ckpt_name in names:
-        by_file.setdefault(located[ckpt_name], []).append((out_name, ckpt_name))
-    tensors: dict[str, torch.Tensor] = {}
-    for file, pairs in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            for out_name, ckpt_name in pairs:
-                tensor = handle.get_tensor(ckpt_name)
-                if cast is not None and tensor.is_floating_point():
-                    tensor = tensor.to(cast)
-                tensors[out_name] = tensor.contiguous().clone()
-    return tensors
+
+_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _is_layer_matrix(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and name.startswith("model.layers.") and name.endswith(".weight")
+
+
+def _write_shard(
+    source: StoredTensors, names: list[tuple[str, str]], weights: str, path: Path
+) -> list[tuple[TensorSpec, str | None]]:
+    """Stream one shard's tensors into `path`, one at a time; returns each written spec
+    with the format of the layer matrix it belongs to (None for other tensors)."""
+    plans = []
+    for out_name, src_name in names:
+        stored, shape = source.format_and_shape(src_name)
+        fmt = _shard_format(out_name, stored, shape, weights)
+        kind = fmt if _is_layer_matrix(out_name, shape) else None
+        plans.append((out_name, src_name, fmt, kind, quant.stored_specs(out_name, fmt, shape)))
+    written: list[tuple[TensorSpec, str | None]] = []
+    specs = [spec for *_, specs in plans for spec in specs]
+    with TensorWriter(path, specs) as writer:
+        for out_name, src_name, fmt, kind, out_specs in plans:
+            matrix = quant.convert(source.matrix(src_name), fmt)
+            for name, tensor in quant.file_tensors(out_name, matrix).items():
+                writer.write(name, tensor.contiguous())
+            written.extend((spec, kind) for spec in out_specs)
+    return written
 
 
 def _file_entry(path: Path, chunk_bytes: int) -> FileEntry:

@@ -1,15 +1,17 @@
 """Finding a model on disk: the embedded default, a GGUF file, a Hugging Face folder or a
 sharded model (a folder with `manifest.json`, or the manifest file itself).
 
-Every source ends up as a folder. A GGUF file is converted once into the user's cache
-directory, under a lock, so the next start (of this node or of another local node) loads
-in about a second. A sharded model's folder is used as it is, with its manifest.
+Every source ends up as a folder. A GGUF file is converted once per weight format into
+the user's cache directory (`gguf_convert`), under a lock, so the next start (of this node
+or of another local node) loads in about a second. A sharded model's folder is used as it
+is, with its manifest.
 """
 
 from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -20,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarmd.dtypes import AUTO
 from swarmd.errors import ManifestError, ModelLoadError, ModelNotFoundError
+from swarmd.model.hashing import file_sha256
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
-from swarmd.model.shards import file_sha256
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +61,23 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model(spec: str, cache_dir: Path) -> ModelSource:
-    """Turn a model id or path into a ready Hugging Face folder."""
+def resolve_model(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSource:
+    """Turn a model id or path into a ready folder.
+
+    `weights`: for a GGUF file, the format its converted copy holds (each format is
+    converted once and cached); other sources are converted at load if need be.
+    """
     if spec == EMBEDDED_MODEL_ID:
-        return ModelSource(EMBEDDED_MODEL_ID, convert_gguf(embedded_gguf_path(), cache_dir))
+        return ModelSource(
+            EMBEDDED_MODEL_ID, convert_gguf(embedded_gguf_path(), cache_dir, weights)
+        )
     path = Path(spec).expanduser()
     manifest_path = path / MANIFEST_FILE if path.is_dir() else path
     if manifest_path.name == MANIFEST_FILE and manifest_path.is_file():
         manifest = read_manifest(manifest_path)
         return ModelSource(manifest.model_id, manifest_path.parent.resolve(), manifest)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return ModelSource(_id_from_name(path.stem), convert_gguf(path, cache_dir))
+        return ModelSource(_id_from_name(path.stem), convert_gguf(path, cache_dir, weights))
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(_id_from_name(path.name), path.resolve())
     raise ModelNotFoundError(spec, [EMBEDDED_MODEL_ID])
@@ -100,47 +109,60 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Convert a GGUF file to safetensors once; return the cached folder."""
-    digest = file_sha256(gguf)
+def convert_gguf(gguf: Path, cache_dir: Path, weights: str = AUTO) -> Path:
+    """Convert a GGUF file once into a folder of `weights`; return the cached folder."""
     models = cache_dir / "models"
-    target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}"
+    digest = _gguf_digest(gguf, models)
+    target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-{weights}"
     if (target / _DONE_MARKER).exists():
         return target
     # Several local nodes may start together: one converts, the others wait and reuse.
     with exclusive(models / f"{target.name}.lock"):
         if (target / _DONE_MARKER).exists():
             return target
-        log.info("converting %s to safetensors once, into %s (about 20 s)", gguf.name, target)
+        from swarmd.model.gguf_convert import write_converted  # torch, gguf: only to convert
+
+        log.info("converting %s to %s weights once, into %s", gguf.name, weights, target)
         started = time.monotonic()
         scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=models))
         try:
-            _write_converted(gguf, scratch)
+            label = write_converted(gguf, scratch, weights)
             (scratch / _DONE_MARKER).write_text(digest + "\n")
             if target.exists():
                 shutil.rmtree(target)
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        log.info("converted in %.1f s", time.monotonic() - started)
+        log.info("converted in %.1f s (%s weights)", time.monotonic() - started, label)
     return target
 
 
-def _write_converted(gguf: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _gguf_digest(gguf: Path, models: Path) -> str:
+    """The file's SHA-256, remembered by path, size and mtime: hashing a 4 GB file on
+    every start would cost seconds."""
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = models / "gguf-digests.json"
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"Cannot read the GGUF file {gguf}: {exc}") from exc
-    # save_pretrained refuses a GGUF-loaded model until its quantizer is forgotten; the
-    # weights are already dequantized to float32, and the reload is bit-identical.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):
+        known = {}
+    digest = known.get(key)
+    if isinstance(digest, str) and len(digest) == 64:
+        return digest
+    digest = file_sha256(gguf)
+    models.mkdir(parents=True, exist_ok=True)
+    with exclusive(models / "gguf-digests.lock"):
+        try:
+            current = json.loads(memo.read_text())
+        except (OSError, ValueError):
+            current = {}
+        if not isinstance(current, dict):
+            current = {}
+        current[key] = digest
+        scratch = memo.with_suffix(".tmp")
+        scratch.write_text(json.dumps(current, indent=1) + "\n")
+        os.replace(scratch, memo)
+    return digest

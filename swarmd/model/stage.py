@@ -10,7 +10,6 @@ the tensors of this range are read from disk.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from swarmd.errors import ModelLoadError
 from swarmd.model.families import family_for
 from swarmd.model.layers import LayerRange
+from swarmd.model.tensorfile import tensor_files
 
 
 class StageModule(nn.Module):
@@ -60,7 +60,12 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def new_cache(self) -> DynamicCache:
+    @property
+    def weight_formats(self) -> set[str]:
+        return {"fp32"}
+
+    def new_cache(self, max_length: int = 0) -> DynamicCache:
+        """A transformers cache; it grows as needed (`max_length` is the runtime's check)."""
         return DynamicCache(config=self.stage_config)
 
     def view(self, layers: LayerRange) -> StageModule:
@@ -202,26 +207,6 @@ def stage_weight_names(
         else:
             raise ModelLoadError(f"No checkpoint name for stage parameter '{name}'")
     return names
-
-
-def tensor_files(model_dir: Path, only: list[Path] | None = None) -> dict[str, Path]:
-    """Which safetensors file holds each tensor of a checkpoint directory.
-
-    `only`: look in these files alone (the shards of a node's range), never the rest.
-    """
-    index = model_dir / "model.safetensors.index.json"
-    if only is None and index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    files = sorted(model_dir.glob("*.safetensors")) if only is None else only
-    if not files:
-        raise ModelLoadError(f"No .safetensors files in {model_dir}")
-    located: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                located[name] = file
-    return located
 
 
 def load_stage(

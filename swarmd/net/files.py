@@ -28,8 +28,8 @@ from typing import Any
 import trio
 
 from swarmd.errors import MalformedFrameError, ModelNotFoundError, OverloadedError
+from swarmd.model.hashing import file_sha256
 from swarmd.model.manifest import FileEntry, Manifest
-from swarmd.model.shards import file_sha256
 from swarmd.net.host import P2PHost
 from swarmd.net.rpc import RpcService, call
 

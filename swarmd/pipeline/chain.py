@@ -13,9 +13,8 @@ import torch
 
 from swarmd.errors import InternalError
 from swarmd.model.layers import LayerRange
-from swarmd.model.runtime import StageRuntime
 from swarmd.model.sampling import SamplingParams
-from swarmd.model.worker import TorchWorker
+from swarmd.model.worker import CloseJob, OpenJob, StepJob, TorchWorker
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,9 @@ class StageChain(Protocol):
 class LocalChain:
     """A route of one hop: this node runs every layer on its torch worker."""
 
-    def __init__(
-        self, runtime: StageRuntime, worker: TorchWorker, hop: Hop, step_timeout_s: float
-    ) -> None:
+    def __init__(self, worker: TorchWorker, hop: Hop, step_timeout_s: float) -> None:
         self.hops = [hop]
         self.failovers = 0
-        self._runtime = runtime
         self._worker = worker
         self._timeout_s = step_timeout_s
         self._session_id: str | None = None
@@ -66,27 +62,21 @@ class LocalChain:
         # Set before the await: if the caller times out while the worker opens it, close()
         # still frees it (the queue is FIFO, so the close runs after the open).
         self._session_id = session_id
-        await self._worker.call(
-            lambda: self._runtime.open(session_id, max_length, sampling), self._timeout_s
-        )
+        await self._worker.run(OpenJob(session_id, max_length, sampling), self._timeout_s)
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None:
         session_id = self._session_id
         if session_id is None:
             raise InternalError("step() before open()")
         inputs = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
-        result = await self._worker.call(
-            lambda: self._runtime.step(session_id, inputs, want_token), self._timeout_s
-        )
+        result = await self._worker.run(StepJob(session_id, inputs, want_token), self._timeout_s)
         self._compute_s += result.compute_s
         return result.token
 
     async def close(self) -> None:
         session_id, self._session_id = self._session_id, None
         if session_id is not None:
-            await self._worker.call(
-                lambda: self._runtime.close(session_id), self._timeout_s, must_run=True
-            )
+            await self._worker.run(CloseJob(session_id), self._timeout_s)
 
     def stage_seconds(self) -> list[float]:
         return [self._compute_s]

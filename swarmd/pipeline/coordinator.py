@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.loader import LoadedModel
-from swarmd.model.runtime import StageRuntime
 from swarmd.model.worker import TorchWorker
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
@@ -38,7 +37,6 @@ class Coordinator:
     def __init__(
         self,
         model: LoadedModel,
-        runtime: StageRuntime,
         worker: TorchWorker,
         short_id: str,
         limits: CoordinatorLimits,
@@ -48,7 +46,6 @@ class Coordinator:
         self.model = model
         self.swarm = swarm
         self.chain_settings = chain_settings
-        self.runtime = runtime
         self.short_id = short_id
         self.ring = RequestRing()
         # Told of every finished request, with the gaps between its tokens (metrics).
@@ -73,7 +70,7 @@ class Coordinator:
         model = self.model
         if model.is_whole:
             hop = Hop(self.short_id, model.layers)
-            return LocalChain(self.runtime, self._worker, hop, self._limits.step_timeout_s)
+            return LocalChain(self._worker, hop, self._limits.step_timeout_s)
         route, records = await plan(self.swarm, self.chain_settings, need_tokens)
         return DistributedChain(self.swarm, self.chain_settings, route, records, need_tokens)
 

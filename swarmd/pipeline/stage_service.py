@@ -40,14 +40,14 @@ from swarmd.errors import (
     StreamClosedError,
     SwarmError,
 )
-from swarmd.model.runtime import StageRuntime
+from swarmd.model.worker import CloseJob, Job, OpenJob, StepJob
 from swarmd.net.host import P2PHost
 from swarmd.pipeline import wire
 
 log = logging.getLogger(__name__)
 
-Compute = Callable[[Callable[[], Any], float, bool], Awaitable[Any]]
-"""`await compute(fn, timeout_s, must_run)`: run fn on the torch worker (from trio)."""
+RunJob = Callable[[Job, float], Awaitable[Any]]
+"""`await run(job, timeout_s)`: run a job on the torch worker, from trio."""
 
 Ban = Callable[[str, str], Awaitable[None]]
 
@@ -125,19 +125,18 @@ class StageService:
     def __init__(
         self,
         host: P2PHost,
-        runtime: StageRuntime,
         limits: wire.StageLimits,
         dtype: torch.dtype,
-        compute: Compute,
+        run: RunJob,
         ban: Ban,
         timeouts: StageTimeouts,
     ) -> None:
+        """`dtype`: what this node's stage takes hidden states in (received ones are cast)."""
         self.host = host
-        self.runtime = runtime
         self.limits = limits
         self.timeouts = timeouts
         self._dtype = dtype
-        self._compute = compute
+        self._run = run
         self._ban = ban
         self._pending: dict[str, PendingReturn] = {}
         self._nursery: trio.Nursery | None = None
@@ -235,18 +234,11 @@ class StageService:
             await self._bad_upstream(up, None, exc, "?")
             return
         sid = req.sid
+        opening = OpenJob(
+            sid, req.max_length, req.sampling if req.is_last else None, req.history, req.me.layers
+        )
         try:
-            await self._compute(
-                lambda: self.runtime.open(
-                    sid,
-                    req.max_length,
-                    req.sampling if req.is_last else None,
-                    list(req.history),
-                    req.me.layers,
-                ),
-                self.timeouts.step_s,
-                False,
-            )
+            await self._run(opening, self.timeouts.step_s)
         except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
             await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
             return
@@ -254,7 +246,7 @@ class StageService:
             await self._run_session(up, req)
         finally:
             with trio.CancelScope(shield=True):
-                await self._compute(lambda: self.runtime.close(sid), self.timeouts.step_s, True)
+                await self._run(CloseJob(sid), self.timeouts.step_s)
 
     async def _run_session(self, up: Link, req: wire.OpenRequest) -> None:
         nxt = req.next_peer
@@ -311,10 +303,8 @@ class StageService:
                 await self._bad_upstream(up, down, exc, req.sid)
                 return
             try:
-                result = await self._compute(
-                    lambda s=step: self.runtime.step(req.sid, s.inputs, s.want),
-                    self.timeouts.step_s,
-                    False,
+                result = await self._run(
+                    StepJob(req.sid, step.inputs, step.want), self.timeouts.step_s
                 )
             except SwarmError as exc:  # this stage's own failure (timeout, context, bug)
                 failed = wire.fail_frame(self.peer_id, f"step failed: {exc}", "lost")

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
+from swarmd.dtypes import COMPUTE_DTYPES, dtype_name, torch_dtype
 from swarmd.errors import MalformedFrameError, StageRefusedError
 from swarmd.model.layers import LayerRange
-from swarmd.model.loader import DTYPES
 from swarmd.model.sampling import SamplingParams
 
 STAGE_PROTOCOL = "/swarmd/stage/1"
@@ -53,8 +53,6 @@ MAX_STEP_TOKENS = 1024  # tokens in one step frame (prefill chunks are smaller)
 MAX_WHY_CHARS = 500
 MAX_LOGIT_BIAS = 1024
 FAIL_KINDS = ("lost", "bad", "refused")
-
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}  # hidden states travel in a model dtype
 
 
 @dataclass(frozen=True)
@@ -172,7 +170,7 @@ def step_frame(
         frame["ids"] = inputs[0].to(torch.int32).numpy().tobytes()
     else:
         hidden = inputs[0].contiguous()  # [T, H]
-        frame["dt"] = _DTYPE_NAMES[hidden.dtype]
+        frame["dt"] = dtype_name(hidden.dtype)  # hidden states travel in a compute dtype
         frame["shape"] = [int(hidden.shape[0]), int(hidden.shape[1])]
         # bfloat16 has no numpy dtype: ship its raw 16-bit words.
         raw = hidden.view(torch.int16) if hidden.dtype == torch.bfloat16 else hidden
@@ -276,9 +274,9 @@ def parse_step(
 def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The [1, T, H] hidden state of a step frame, checked and cast to `dtype`."""
     name = frame.get("dt")
-    if not isinstance(name, str) or name not in DTYPES:
+    if not isinstance(name, str) or name not in COMPUTE_DTYPES:
         raise MalformedFrameError(f"hidden state of unknown dtype {str(name)[:20]!r}")
-    wire_dtype = DTYPES[name]
+    wire_dtype = torch_dtype(name)
     shape = frame.get("shape")
     if not isinstance(shape, list) or len(shape) != 2 or not all(type(x) is int for x in shape):
         raise MalformedFrameError("hidden state shape is not [tokens, hidden]")

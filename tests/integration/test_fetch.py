@@ -22,6 +22,7 @@ import trio
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import FetchError, RemoteError
+from swarmd.model.hashing import hash_file
 from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import (
     MIN_CHUNK_BYTES,
@@ -30,7 +31,6 @@ from swarmd.model.manifest import (
     ShardEntry,
     parse_manifest,
 )
-from swarmd.model.shards import hash_file
 from swarmd.net.fetch import Fetcher, FetchSettings
 from swarmd.net.files import (
     FileServer,
@@ -109,6 +109,7 @@ def model(tmp_path: Path) -> Model:
         config={"model_type": "llama", "num_hidden_layers": NUM_LAYERS},
         num_layers=NUM_LAYERS,
         dtype="float32",
+        weights="fp32",
         chunk_bytes=CHUNK,
         files=(_entry(folder, TOKENIZER),),
         shards=(_shard(folder, SHARD_A, 0, 2), _shard(folder, SHARD_B, 2, 4)),
@@ -245,6 +246,7 @@ def record(peer_id: str, model: Model, layers: tuple[int, int], **changes: Any) 
         layer_end=layers[1],
         num_layers=NUM_LAYERS,
         dtype="float32",
+        weights="fp32",
         free_kv_tokens=8192,
         throughput_tps=10.0,
         state="ready",

@@ -27,7 +27,7 @@ NodeFactory = Callable[..., Any]
 @pytest.fixture
 async def make_node(tiny_chat_dir: Path, tmp_path: Path) -> AsyncIterator[NodeFactory]:
     started: list[Node] = []
-    model = load_model(ModelSource("tiny", tiny_chat_dir), None, "float32")
+    model = load_model(ModelSource("tiny", tiny_chat_dir), None)
 
     async def factory(**overrides: Any) -> Node:
         config = Config(port=0, data_dir=tmp_path / "data", cache_dir=tmp_path, **overrides)

@@ -1,8 +1,8 @@
 """The stage protocol over real libp2p hosts on 127.0.0.1, in one trio run.
 
 Each stage is a `StageService` on its own host, with a `StageRuntime` over part of the
-tiny 4-layer random Llama; its `compute` runs the model directly in trio (no worker
-thread). A `Ring` coordinated by host X runs X's own layers through a `LoopLink` and the
+tiny 4-layer random Llama, run by a torch worker thread awaited from trio as a node
+does. A `Ring` coordinated by host X runs X's own layers through a `LoopLink` and the
 others' over streams, and gets its tokens back on the last stage's `ret` stream.
 
 Every test puts a deadline on its whole run, polls with deadlines (never a bare sleep),
@@ -11,6 +11,7 @@ and closes every host it opened, even when it fails.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -28,6 +29,8 @@ from swarmd.model.layers import LayerRange
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.sampling import SamplingParams
 from swarmd.model.stage import StageModule, load_stage
+from swarmd.model.worker import TorchWorker
+from swarmd.model.worker_trio import run_job
 from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
@@ -93,12 +96,6 @@ class StageNode:
             await self.closed.wait()
 
 
-async def compute(fn: Callable[[], Any], timeout_s: float, must_run: bool) -> Any:
-    """The torch worker's stand-in: run the model right here, in trio."""
-    await trio.lowlevel.checkpoint()
-    return fn()
-
-
 def _running(service: StageService) -> bool:
     try:
         service.spawn(trio.lowlevel.checkpoint)
@@ -114,10 +111,10 @@ async def _serve_stage(
     task_status: trio.TaskStatus[StageNode] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     closed = trio.Event()
+    runtime = StageRuntime(model.stages[held], max_sessions=4)
     try:
         with trio.CancelScope() as scope:
-            async with open_host(Identity.generate(), 0) as host:
-                runtime = StageRuntime(model.stages[held], max_sessions=4)
+            async with open_host(Identity.generate(), 0) as host, _worker(runtime) as worker:
                 limits = wire.StageLimits(
                     peer_id=host.peer_id,
                     model_id=MODEL_ID,
@@ -132,7 +129,8 @@ async def _serve_stage(
                 async def ban(peer_id: str, why: str) -> None:
                     bans.append((peer_id, why))
 
-                service = StageService(host, runtime, limits, torch.float32, compute, ban, timeouts)
+                run = functools.partial(run_job, worker)
+                service = StageService(host, limits, torch.float32, run, ban, timeouts)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(service.run)
                     assert await poll(lambda: _running(service), 5.0)
@@ -140,6 +138,18 @@ async def _serve_stage(
                     await trio.sleep_forever()
     finally:
         closed.set()
+
+
+@asynccontextmanager
+async def _worker(runtime: StageRuntime) -> AsyncIterator[TorchWorker]:
+    """The node's torch worker thread over this stage's runtime, stopped on exit."""
+    worker = TorchWorker(runtime, threads=1)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(worker.shutdown)
 
 
 @asynccontextmanager

@@ -32,7 +32,8 @@ def test_defaults() -> None:
     assert config.model == "smollm2-135m-instruct"
     assert config.data_dir == Path(platformdirs.user_data_dir("swarmd"))
     assert config.cache_dir == Path(platformdirs.user_cache_dir("swarmd"))
-    assert config.dtype == "float32"
+    assert config.dtype == "auto"
+    assert config.weights == "auto"
     assert config.torch_threads == 0
     assert config.prefill_chunk_tokens == 256
     assert config.max_sessions == 16
@@ -100,7 +101,7 @@ def test_precedence_is_per_field(tmp_path: Path) -> None:
     assert config.model == "from-flag"
     assert config.port == 1002
     assert config.host == "0.0.0.0"
-    assert config.dtype == "float32"
+    assert config.dtype == "auto"
 
 
 def test_none_flags_are_ignored() -> None:
@@ -285,6 +286,8 @@ OUT_OF_RANGE = [
     ("port", "65536"),
     ("dtype", "float64"),
     ("dtype", "fp16"),
+    ("weights", "int3"),
+    ("weights", "float32"),
     ("torch_threads", "-1"),
     ("prefill_chunk_tokens", "0"),
     ("max_sessions", "0"),

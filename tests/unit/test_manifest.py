@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from swarmd.errors import ConfigError, ManifestError, ModelLoadError, ShardHashError
+from swarmd.model.hashing import hash_file, verify_files
 from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import (
     MANIFEST_FILE,
@@ -29,7 +30,7 @@ from swarmd.model.manifest import (
     chunk_count,
     parse_manifest,
 )
-from swarmd.model.shards import even_ranges, hash_file, parse_ranges, verify_files
+from swarmd.model.shards import even_ranges, parse_ranges
 
 CHUNK = MIN_CHUNK_BYTES
 NUM_LAYERS = 30
@@ -67,7 +68,9 @@ def make_manifest() -> Manifest:
         for i, (n, size) in enumerate(SHARD_SIZES.items())
     )
     config = {"model_type": "llama", "num_hidden_layers": NUM_LAYERS, "hidden_size": 64}
-    return Manifest("tiny-llama", "llama", config, NUM_LAYERS, "bfloat16", CHUNK, files, shards)
+    return Manifest(
+        "tiny-llama", "llama", config, NUM_LAYERS, "bfloat16", "bf16", CHUNK, files, shards
+    )
 
 
 @pytest.fixture
@@ -128,6 +131,7 @@ def _other_hash(value: str) -> str:
 CHANGES: dict[str, Callable[[Manifest], Manifest]] = {
     "model_id": lambda m: dataclasses.replace(m, model_id="tiny-llama-2"),
     "dtype": lambda m: dataclasses.replace(m, dtype="float16"),
+    "weights": lambda m: dataclasses.replace(m, weights="int4"),
     "config value": lambda m: dataclasses.replace(m, config={**m.config, "hidden_size": 65}),
     "config key": lambda m: dataclasses.replace(m, config={**m.config, "extra": None}),
     "shard hash": lambda m: dataclasses.replace(
@@ -276,11 +280,13 @@ def test_unknown_or_missing_keys_are_refused(manifest: Manifest, edit: str) -> N
         parse_manifest(edited(manifest, KEY_EDITS[edit]))
 
 
-@pytest.mark.parametrize("value", ["swarmd-manifest/2", "", 1, None, ["swarmd-manifest/1"]])
+@pytest.mark.parametrize(
+    "value", ["swarmd-manifest/1", "swarmd-manifest/3", "", 1, None, ["swarmd-manifest/2"]]
+)
 def test_a_wrong_format_is_refused(manifest: Manifest, value: object) -> None:
     with pytest.raises(ManifestError, match="format"):
         parse_manifest(edited(manifest, _set(("format",), value)))
-    assert MANIFEST_FORMAT == "swarmd-manifest/1"
+    assert MANIFEST_FORMAT == "swarmd-manifest/2"
 
 
 BAD_NAMES = [
@@ -403,6 +409,7 @@ def test_bool_layer_counts_are_refused_even_where_they_equal_the_number() -> Non
         {"model_type": "llama", "num_hidden_layers": 1},
         1,
         "float32",
+        "fp32",
         CHUNK,
         (),
         (shard_for("layers.bin", data, 0, 1),),
@@ -454,7 +461,7 @@ def test_chunk_bytes_at_the_limits_are_accepted(value: int) -> None:
     )
     shard = ShardEntry(entry.file, entry.bytes, entry.sha256, entry.chunks, 0, 1)
     config = {"model_type": "qwen2", "num_hidden_layers": 1}
-    one = Manifest("edge", "qwen2", config, 1, "float16", value, (), (shard,))
+    one = Manifest("edge", "qwen2", config, 1, "float16", "fp16", value, (), (shard,))
     assert parse_manifest(one.to_json()) == one
 
 
@@ -479,6 +486,9 @@ OTHER_EDITS = {
     "model_id too long": _set(("model_id",), "m" * 129),
     "model_id not text": _set(("model_id",), 3),
     "dtype empty": _set(("dtype",), ""),
+    "weights empty": _set(("weights",), ""),
+    "weights unknown": _set(("weights",), "int3"),
+    "weights half known": _set(("weights",), "int4+q2"),
     "architecture not text": _set(("architecture",), None),
     "zero layers": lambda body: body.update(num_layers=0),
     "too many layers": lambda body: body.update(num_layers=10_001),

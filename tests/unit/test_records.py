@@ -49,6 +49,7 @@ def make_record(identity: Identity = ALICE, **changes: object) -> NodeRecord:
         layer_end=15,
         num_layers=30,
         dtype="float16",
+        weights="fp32",
         free_kv_tokens=8192,
         throughput_tps=42.5,
         state="ready",
@@ -159,6 +160,7 @@ def test_tampering_any_field_breaks_the_signature(name: str) -> None:
         "layer_end": 16,
         "num_layers": 31,
         "dtype": "float32",
+        "weights": "int4",
         "free_kv_tokens": 8193,
         "throughput_tps": 42.25,
         "state": "loading",
@@ -325,7 +327,8 @@ def test_non_canonical_encodings_are_refused() -> None:
     # The same content, throughput as float32.
     as_float32 = msgpack.packb(fields, use_bin_type=True, use_single_float=True)
     # A duplicate key: a valid record followed by a second "state".
-    duplicated = b"\xde\x00\x10" + value[1:] + msgpack.packb("state") + msgpack.packb("ready")
+    assert value[:3] == b"\xde\x00\x10"  # a map of 16 entries
+    duplicated = b"\xde\x00\x11" + value[3:] + msgpack.packb("state") + msgpack.packb("ready")
     for variant in (reordered, as_float32, duplicated):
         assert variant != value
         with pytest.raises(MalformedRecordError, match="canonical"):
@@ -380,7 +383,7 @@ def test_msgpack_bomb_fails_fast_without_allocating(bomb: bytes) -> None:
         msgpack.packb({"peer_id": "a" * 1025}),  # str over max_str_len
         msgpack.packb({"sig": b"s" * 65}),  # bin over max_bin_len
         msgpack.packb({"addrs": ["/a"] * 17}),  # array over max_array_len
-        msgpack.packb({f"k{i}": 0 for i in range(17)}),  # map over max_map_len
+        msgpack.packb({f"k{i}": 0 for i in range(18)}),  # map over max_map_len
     ],
 )
 def test_unpacker_limits_refuse_before_field_checks(value: bytes) -> None:

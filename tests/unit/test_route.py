@@ -45,6 +45,7 @@ def record(peer: str, start: int, end: int, tps: float, **changes) -> NodeRecord
         layer_end=end,
         num_layers=L,
         dtype="float16",
+        weights="fp32",
         free_kv_tokens=8192,
         throughput_tps=tps,
         state="ready",

@@ -1,0 +1,65 @@
+"""`KVCache`: one session's keys and values on one stage, grown in place.
+
+One float32 buffer [layers, 2, B, kv_heads, capacity, head_dim] per session: a step
+writes its new positions with one copy per tensor and attention reads a view of the
+cached positions, so no step concatenates the whole past. The first step reserves 256
+positions past its need; beyond that the capacity doubles (never past the session's
+`max_length`), copying once per doubling. A single allocation
+per session is returned to the OS whole when the session ends (many small per-layer
+buffers fragment the heap).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_HEADROOM = 256  # positions reserved past the first need: most replies then never regrow
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_length: int,
+        batch: int = 1,
+    ) -> None:
+        self.max_length = max_length
+        self.length = 0  # positions written so far
+        self._dims = (num_layers, 2, batch, kv_heads)
+        self._head_dim = head_dim
+        self._dtype = dtype
+        self._buffer = self._empty(0)
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        return torch.empty(*self._dims, capacity, self._head_dim, dtype=self._dtype)
+
+    @property
+    def capacity(self) -> int:
+        return int(self._buffer.shape[4])
+
+    def reserve(self, total: int) -> None:
+        """Room for `total` positions (the next step's end)."""
+        if total <= self.capacity:
+            return
+        size = max(total + _HEADROOM, self.capacity * 2)
+        size = min(size, max(self.max_length, total))
+        new = self._empty(size)
+        new[..., : self.length, :].copy_(self._buffer[..., : self.length, :])
+        self._buffer = new
+
+    def write_and_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, T, D] at positions start.. (reserved first); return
+        views of positions first..start+T, what attention reads."""
+        end = start + k.shape[2]
+        keys, values = self._buffer[layer]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        return keys[:, :, first:end], values[:, :, first:end]
+
+    def nbytes(self) -> int:
+        return self._buffer.numel() * self._buffer.element_size()

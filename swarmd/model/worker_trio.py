@@ -1,0 +1,41 @@
+"""Waiting for a torch worker job from trio (the stage service's side).
+
+The worker calls `wake` on its own thread; trio's token hands the wake-up to the trio
+run (a guest run on the asyncio loop works the same way), so a stage step never passes
+through asyncio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import trio
+
+from swarmd.errors import StepTimeoutError
+from swarmd.model.worker import Job, TorchWorker
+
+
+async def run_job(worker: TorchWorker, job: Job, timeout_s: float) -> Any:
+    """Run a job from trio and return its result (or raise its error)."""
+    token = trio.lowlevel.current_trio_token()
+    tx, rx = trio.open_memory_channel[None](math.inf)
+
+    def wake() -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # the run ended: nobody waits
+            token.run_sync_soon(tx.send_nowait, None)
+
+    ticket = worker.submit(job, wake)
+    try:
+        while not ticket.started:
+            await rx.receive()
+        try:
+            with trio.fail_after(timeout_s):
+                while not ticket.finished:
+                    await rx.receive()
+        except trio.TooSlowError as exc:
+            raise StepTimeoutError(f"A model step took longer than {timeout_s:g} s") from exc
+    finally:
+        ticket.cancel()
+    return ticket.outcome()

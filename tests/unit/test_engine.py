@@ -1,0 +1,173 @@
+"""The engine's forward equals transformers' for each family, prefill and decode, whole and
+split, in float32; quantized formats stay close to it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from swarmd.engine.arch import arch_spec
+from swarmd.engine.load import load_lean_stage
+from swarmd.engine.stage import LeanStage
+from swarmd.errors import ModelLoadError
+from swarmd.model.layers import LayerRange
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+}
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
+    "llama-untied-bias": (transformers.LlamaConfig, {"attention_bias": True, "mlp_bias": True}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 6}),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16}),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 16},
+    ),
+}
+# Gemma's last layer is global, the others slide; the window of 6 is shorter than the
+# prompts, so the sliding masks are exercised.
+
+
+def make_tiny(family: str, out: Path) -> tuple[Path, torch.nn.Module]:
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**TINY, **extra)
+    if family == "gemma3":
+        config.layer_types = ["sliding_attention"] * 3 + ["full_attention"]
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: perturb them all
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(str(out))
+    return out, model
+
+
+def lean(path: Path, layers: LayerRange | None = None, weights: str = "fp32") -> LeanStage:
+    config = json.loads((path / "config.json").read_text())
+    spec = arch_spec(config)
+    span = layers or LayerRange(0, spec.num_layers)
+    dtype = torch.float32 if weights == "fp32" else torch.bfloat16
+    return load_lean_stage(sorted(path.glob("*.safetensors")), spec, span, weights, dtype)
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed + length)
+    return torch.randint(0, TINY["vocab_size"], (1, length), generator=generator)  # [1, T]
+
+
+def reference_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """[T, V]: the logits of every position, from one transformers forward."""
+    with torch.inference_mode():
+        return model(ids).logits[0]
+
+
+ATOL = 2e-5  # float32: another order of the same sums, never another token
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_prefill_and_decode_equal_transformers(family: str, tmp_path: Path) -> None:
+    path, model = make_tiny(family, tmp_path)
+    stage = lean(path)
+    ids = prompt(14)
+    expected = reference_logits(model, ids)  # [T, V]
+    cache = stage.new_cache(32)
+    got = stage(ids[:, :9], cache)  # prefill of 9, then one token at a time
+    torch.testing.assert_close(got[0], expected[8], rtol=0, atol=ATOL)
+    for t in range(9, 14):
+        got = stage(ids[:, t : t + 1], cache)
+        torch.testing.assert_close(got[0], expected[t], rtol=0, atol=ATOL)
+    assert cache.length == 14
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_chunked_prefill_equals_one_piece(family: str, tmp_path: Path) -> None:
+    path, model = make_tiny(family, tmp_path)
+    stage = lean(path)
+    ids = prompt(17, seed=3)
+    expected = reference_logits(model, ids)
+    cache = stage.new_cache(17)
+    for start in range(0, 17, 5):  # 5, 5, 5, 2: chunks that start past the window
+        got = stage(ids[:, start : start + 5], cache)
+    torch.testing.assert_close(got[0], expected[-1], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_split_stages_chain_to_the_same_logits(family: str, split: int, tmp_path: Path) -> None:
+    path, model = make_tiny(family, tmp_path)
+    first = lean(path, LayerRange(0, split))
+    last = lean(path, LayerRange(split, 4))
+    assert first.is_first and not first.is_last and last.is_last and not last.is_first
+    ids = prompt(10, seed=1)
+    expected = reference_logits(model, ids)
+    c1, c2 = first.new_cache(12), last.new_cache(12)
+    hidden = first(ids, c1)  # [1, T, H] float32
+    assert hidden.shape == (1, 10, TINY["hidden_size"]) and hidden.dtype == torch.float32
+    torch.testing.assert_close(last(hidden, c2)[0], expected[-1], rtol=0, atol=ATOL)
+    step = prompt(1, seed=9)
+    full = reference_logits(model, torch.cat([ids, step], dim=1))
+    torch.testing.assert_close(last(first(step, c1), c2)[0], full[-1], rtol=0, atol=ATOL)
+
+
+def test_views_share_weights_and_equal_stages_loaded_for_the_range(tmp_path: Path) -> None:
+    path, _ = make_tiny("llama", tmp_path)
+    whole = lean(path)
+    view = whole.view(LayerRange(1, 3))
+    loaded = lean(path, LayerRange(1, 3))
+    assert view.blocks[0] is whole.blocks[1] and not view.is_first and not view.is_last
+    hidden = torch.randn(1, 6, TINY["hidden_size"])
+    torch.testing.assert_close(
+        view(hidden, view.new_cache(6)), loaded(hidden, loaded.new_cache(6)), rtol=0, atol=0
+    )
+    with pytest.raises(ModelLoadError, match="not inside"):
+        view.view(LayerRange(0, 2))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
+def test_quantized_formats_stay_close_to_float32(family: str, weights: str, tmp_path: Path) -> None:
+    path, _ = make_tiny(family, tmp_path)
+    exact = lean(path)
+    quantized = lean(path, weights=weights)
+    assert quantized.weight_formats == {weights}
+    ids = prompt(12, seed=5)
+    a = exact(ids, exact.new_cache(12))[0]
+    b = quantized(ids, quantized.new_cache(12))[0]
+    # Random tiny weights are no model: only check the logits keep their shape.
+    cosine = torch.nn.functional.cosine_similarity(a, b, dim=0)
+    assert cosine > {"int4": 0.95, "int8": 0.995, "bf16": 0.999}[weights]
+
+
+def test_a_session_that_would_pass_its_length_is_refused(tmp_path: Path) -> None:
+    path, _ = make_tiny("llama", tmp_path)
+    stage = lean(path)
+    cache = stage.new_cache(5)
+    stage(prompt(4), cache)
+    with pytest.raises(Exception, match="exceed"):
+        stage(prompt(2), cache)
+
+
+def test_an_architecture_the_engine_does_not_run_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match="'gpt2' is not supported"):
+        arch_spec({"model_type": "gpt2", "num_hidden_layers": 2})
+    with pytest.raises(ModelLoadError, match="yarn"):
+        arch_spec(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            }
+        )
