@@ -3,9 +3,10 @@
 One run measures the same greedy chat prompt twice, one phase after the other, both
 with the same number of torch threads:
 
-1. plain transformers: `AutoModelForCausalLM.generate` on the converted model folder,
+1. plain transformers: `AutoModelForCausalLM.generate` on the model converted to float32,
    with a streamer that records when each new token comes out;
-2. the API: a `swarmd run` subprocess on a free port, streamed
+2. the API: a `swarmd run --weights fp32 --dtype float32` subprocess (the exact path, the
+   same numbers as phase 1; bench/engine.py compares the formats) on a free port, streamed
    `/v1/chat/completions` (temperature 0), timed on the client as the chunks arrive.
 
 TTFT is the time from the call (or the request) to the first token (the first content
@@ -133,7 +134,7 @@ def model_folder(cache_dir: Path) -> Path:
     """The converted Hugging Face folder of the embedded model (converted once if needed)."""
     from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
 
-    return resolve_model(EMBEDDED_MODEL_ID, cache_dir).model_dir
+    return resolve_model(EMBEDDED_MODEL_ID, cache_dir, "fp32").model_dir
 
 
 # --- CPU used by other processes --------------------------------------------------------
@@ -313,6 +314,11 @@ class NodeProcess:
             self._data_dir.name,
             "--torch-threads",
             str(threads),
+            # The same weights and kernels as the plain phase: this measures the API's cost.
+            "--weights",
+            "fp32",
+            "--dtype",
+            "float32",
         ]
         self._log = log_path.open("wb")
         try:

@@ -68,7 +68,7 @@ class _TemplateDict:
 class _Namespace(jinja2.utils.Namespace):
     """A namespace that refuses underscore-prefixed names (no reaching CPython internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, rest = args[0], args[1:]
         attrs = dict(*rest, **kwargs)
         for name in attrs:

@@ -7,9 +7,9 @@ STYLE habit 8:
 1. ban the peer to blame (with the peer table's growing backoff; a stage that merely
    refused is only left out of this request);
 2. re-route only the broken range (`route.replan`: its standby, else any other holder);
-3. rebuild the session on the new route by replaying every token fed so far (prompt and
-   reply, in prefill-sized chunks; the last stage's sampler is told the reply tokens so
-   penalties stay right), then retry the step that failed.
+3. rebuild the session on the new route by replaying every step fed so far, as it was
+   fed (the prompt's chunks, then each reply token; the last stage's sampler is told the
+   reply tokens so penalties stay right), then retry the step that failed.
 
 At most `max_failovers` times per request; then `RouteFailedError`. When nobody holds a
 range any more, `NoRouteError` names the missing layers.
@@ -63,7 +63,6 @@ class ChainSettings:
     model_id: str
     num_layers: int
     vocab_size: int
-    chunk_tokens: int  # replayed history goes in chunks of this many tokens
     max_failovers: int
     timeouts: RingTimeouts
 
@@ -112,7 +111,8 @@ class DistributedChain:
         self._session_id = ""
         self._max_length = 0
         self._sampling: SamplingParams | None = None
-        self._fed: list[int] = []  # every token id the ring has taken, in order
+        # Every step the ring has taken, as it was sent: a failover replays them one by one.
+        self._steps: list[list[int]] = []
         self._reply: list[int] = []  # tokens sampled so far
         self._excluded: set[str] = set()  # refused this request (not banned)
         self._stage_s: list[float] = [0.0] * len(route.stages)
@@ -151,7 +151,7 @@ class DistributedChain:
                 if token_ids is None:
                     return None
                 token = await self._step(token_ids, want)
-                self._fed.extend(token_ids)
+                self._steps.append(list(token_ids))
                 if token is not None:
                     self._reply.append(token)
                 return token
@@ -193,9 +193,12 @@ class DistributedChain:
         )
         self._ring = ring
         await self._access.in_trio(ring.open)
-        chunk = self._settings.chunk_tokens
-        for start in range(0, len(self._fed), chunk):
-            await self._step(self._fed[start : start + chunk], False)
+        # The same steps, not one long prefill: attention over a chunk of queries does not
+        # round as one query at a time does (SDPA's kernels block differently), and with
+        # bfloat16 matrix inputs such a difference can change a greedy token later on. Fed
+        # step by step, every stage recomputes bit for bit what the lost route computed.
+        for step in self._steps:
+            await self._step(step, False)
 
     async def _fail_over(self, exc: StageFailedError) -> None:
         await self.close()

@@ -68,3 +68,58 @@ def test_chat_against_no_node_says_so() -> None:
     result = run_cli("chat", "hi", "--url", "http://127.0.0.1:9")
     assert result.returncode == 1
     assert "cannot reach http://127.0.0.1:9" in result.stderr
+
+
+def _gguf(path: Path, architecture: str, tensors: dict[str, tuple[str, tuple[int, int]]]) -> Path:
+    """A small GGUF file: `tensors` maps a name to (GGML type, (rows, columns))."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    for name, (kind, (rows, cols)) in tensors.items():
+        qtype = GGMLQuantizationType[kind]
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = np.zeros((rows, cols // block * size), dtype=np.uint8)
+        writer.add_tensor(name, raw, raw_dtype=qtype)  # the shape from the bytes per row
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tensors", "named"),
+    [
+        ("gpt2", {"token_embd.weight": ("F32", (8, 32))}, ["architecture 'gpt2'", "llama"]),
+        (
+            "llama",
+            {"token_embd.weight": ("F32", (8, 32)), "blk.0.ffn_down.weight": ("Q2_K", (16, 256))},
+            ["blk.0.ffn_down.weight", "Q2_K", "Q4_K"],
+        ),
+        (
+            "llama",
+            {"blk.0.ffn_up.weight": ("IQ4_NL", (16, 256))},
+            ["blk.0.ffn_up.weight", "IQ4_NL"],
+        ),
+    ],
+)
+def test_a_gguf_swarmd_cannot_run_is_refused_at_start(
+    tmp_path: Path,
+    architecture: str,
+    tensors: dict[str, tuple[str, tuple[int, int]]],
+    named: list[str],
+) -> None:
+    model = _gguf(tmp_path / "model.gguf", architecture, tensors)
+    cache = tmp_path / "cache"
+    result = run_cli(
+        "run", "--model", str(model), "--data-dir", str(tmp_path / "d"), "--cache-dir", str(cache)
+    )
+    assert result.returncode == 2, result.stderr
+    for text in named:
+        assert text in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "serving" not in result.stdout
+    converted = [p for p in (cache / "models").iterdir() if p.is_dir()]
+    assert converted == []  # nothing half-converted is left to be served later

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -17,7 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import NodeProcess, wait_until
+from swarmd.model.loader import load_model
+from swarmd.model.source import ModelSource
+from swarmd.model.text import ChatMessage
+from tests.conftest import NodeProcess, running_node, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -34,10 +38,19 @@ def client(embedded_node: NodeProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def reference_ids(smollm_dir: Path) -> tuple[list[int], list[int]]:
+def fp32_node(
+    test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    """The embedded model on the exact path: transformers modules over float32 weights."""
+    args = ["--cache-dir", str(test_cache_dir), "--weights", "fp32", "--dtype", "float32"]
+    with running_node(tmp_path_factory, "fp32-node", args) as node:
+        yield node
+
+
+def transformers_reference(model_dir: Path) -> tuple[list[int], list[int]]:
     """Prompt ids and greedy reply ids from plain transformers on the same weights."""
-    tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(smollm_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.inference_mode():
@@ -51,10 +64,44 @@ def reference_ids(smollm_dir: Path) -> tuple[list[int], list[int]]:
     return prompt_ids, out[0, len(prompt_ids) :].tolist()
 
 
-def test_greedy_stream_and_whole_match_transformers(
-    client: openai.OpenAI, embedded_node: NodeProcess, reference_ids: tuple[list[int], list[int]]
+def engine_reference(model_dir: Path) -> tuple[list[int], list[int]]:
+    """Prompt ids and greedy reply ids from the engine run in this process, int4."""
+    model = load_model(ModelSource("smollm", model_dir), None)
+    assert model.backend == "engine" and model.weights == "int4"
+    messages = [ChatMessage(m["role"], m["content"]) for m in MESSAGES]
+    prompt_ids = model.codec.chat_prompt(messages)
+    cache = model.stage.new_cache(len(prompt_ids) + MAX_TOKENS)
+    reply = [int(model.stage(torch.tensor([prompt_ids]), cache).argmax())]
+    while len(reply) < MAX_TOKENS and reply[-1] not in model.codec.eos_ids:
+        reply.append(int(model.stage(torch.tensor([[reply[-1]]]), cache).argmax()))
+    return prompt_ids, reply
+
+
+@pytest.mark.parametrize("path", ["int4-engine", "fp32-transformers"])
+def test_greedy_stream_and_whole_match_a_reference(
+    path: str,
+    request: pytest.FixtureRequest,
+    smollm_dir: Path,
+    smollm_fp32_dir: Path,
 ) -> None:
-    model = embedded_node.model_id
+    """The default node (int4, the engine) equals the engine run in-process; the exact path
+    (--weights fp32 --dtype float32) equals plain transformers, token for token."""
+    if path == "int4-engine":
+        node: NodeProcess = request.getfixturevalue("embedded_node")
+        reference_ids = engine_reference(smollm_dir)
+    else:
+        node = request.getfixturevalue("fp32_node")
+        reference_ids = transformers_reference(smollm_fp32_dir)
+    backend = {"int4-engine": "engine", "fp32-transformers": "transformers"}[path]
+    assert node.health()["models"][0]["backend"] == backend  # type: ignore[index]
+    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0)
+    _check_greedy(client, node, reference_ids)
+
+
+def _check_greedy(
+    client: openai.OpenAI, node: NodeProcess, reference_ids: tuple[list[int], list[int]]
+) -> None:
+    model = node.model_id
     whole = client.chat.completions.create(
         model=model,
         messages=MESSAGES,
@@ -184,7 +231,14 @@ def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) ->
     health = embedded_node.health()
     assert health["status"] == "ok"
     assert health["models"] == [
-        {"id": embedded_node.model_id, "layers": [0, 30], "num_layers": 30, "dtype": "float32"}
+        {
+            "id": embedded_node.model_id,
+            "layers": [0, 30],
+            "num_layers": 30,
+            "weights": "int4",  # the GGUF's own Q4_1, held as it is
+            "dtype": "bfloat16",
+            "backend": "engine",
+        }
     ]
     assert str(health["peer_id"]).startswith("12D3KooW")
 

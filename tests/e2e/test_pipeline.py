@@ -176,6 +176,10 @@ def test_three_stages_give_the_single_node_tokens(
     three_stages: Swarm, embedded_node: NodeProcess
 ) -> None:
     route = [three_stages.short_id(n) for n in ("a", "b", "c")]
+    # The embedded model's own format on every node: an int4 swarm against an int4 node.
+    for node in (embedded_node, *(three_stages[n] for n in ("a", "b", "c"))):
+        model = node.health()["models"][0]  # type: ignore[index]
+        assert (model["weights"], model["backend"]) == ("int4", "engine")
     for prompt in PROMPTS:
         reference, _ = complete(embedded_node, chat_body(prompt, 16))
         for name in ("a", "b", "c"):  # each node coordinates once

@@ -13,7 +13,11 @@ from swarmd.engine.arch import FULL, SLIDING, arch_spec
 CASES: list[dict[str, Any]] = [
     {"model_type": "llama"},
     {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3},
-    {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {
+        "model_type": "llama",
+        "rope_theta": 5e5,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    },
     {
         "model_type": "llama",
         "max_position_embeddings": 131072,
@@ -28,7 +32,12 @@ CASES: list[dict[str, Any]] = [
     {"model_type": "mistral"},
     {"model_type": "mistral", "sliding_window": None},
     {"model_type": "qwen2"},
-    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+    {
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "sliding_window": 64,
+        "max_window_layers": 2,
+    },
     {"model_type": "qwen3", "head_dim": 64},
     {"model_type": "qwen3", "attention_bias": True},
     {"model_type": "gemma3_text"},
@@ -43,7 +52,9 @@ def _rope_theta(params: dict[str, Any], kind: str) -> float:
     return float(params["rope_theta"])
 
 
-@pytest.mark.parametrize("given", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())[:60])
+@pytest.mark.parametrize(
+    "given", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())[:60]
+)
 def test_arch_spec_agrees_with_transformers(given: dict[str, Any]) -> None:
     config = {"num_hidden_layers": 6, **given}
     spec = arch_spec(config)
@@ -51,7 +62,9 @@ def test_arch_spec_agrees_with_transformers(given: dict[str, Any]) -> None:
     assert spec.hidden == hf.hidden_size
     assert spec.heads == hf.num_attention_heads
     assert spec.kv_heads == hf.num_key_value_heads
-    assert spec.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert spec.head_dim == (
+        getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    )
     assert spec.intermediate == hf.intermediate_size
     assert spec.vocab == hf.vocab_size
     assert spec.eps == hf.rms_norm_eps
@@ -75,7 +88,9 @@ def test_arch_spec_agrees_with_transformers(given: dict[str, Any]) -> None:
     else:
         assert math.isclose(spec.attn_scale, spec.head_dim**-0.5)
         assert spec.activation == "silu"
-    assert spec.qkv_bias == (spec.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)))
+    assert spec.qkv_bias == (
+        spec.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False))
+    )
 
 
 @pytest.mark.parametrize("given", [c for c in CASES if c["model_type"] == "llama"])

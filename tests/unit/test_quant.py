@@ -109,7 +109,9 @@ def test_int8_per_row_stays_within_half_a_step_and_its_kernel_agrees(seed: int) 
 def test_a_constant_group_quantizes_to_its_value() -> None:
     w = torch.full((16, 64), 0.25)
     assert torch.equal(quant.dequantize(quant.quantize_int4(w)), w)
-    assert torch.equal(quant.dequantize(quant.quantize_int8(torch.zeros(16, 64))), torch.zeros(16, 64))
+    assert torch.equal(
+        quant.dequantize(quant.quantize_int8(torch.zeros(16, 64))), torch.zeros(16, 64)
+    )
 
 
 def test_the_stored_form_round_trips() -> None:
@@ -146,7 +148,9 @@ def test_convert_between_formats(source: str, target: str) -> None:
     stored = quant.convert(w, source)
     out = quant.convert(stored, target)
     assert quant.stored_format(out) == target
-    assert (quant.dequantize(out) if not isinstance(out, torch.Tensor) else out.float()).shape == w.shape
+    assert (
+        quant.dequantize(out) if not isinstance(out, torch.Tensor) else out.float()
+    ).shape == w.shape
 
 
 def test_int4_falls_back_to_int8_where_the_kernel_cannot_take_the_shape() -> None:

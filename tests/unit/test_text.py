@@ -177,9 +177,7 @@ TEXTS = ["Hello world", "  two leading spaces", "Crème brûlée, 中文, 🎉",
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_and_decode_match_transformers(
-    codec: TextCodec, reference: Any, text: str
-) -> None:
+def test_encode_and_decode_match_transformers(codec: TextCodec, reference: Any, text: str) -> None:
     ids = codec.encode(text)
     assert ids == reference.encode(text, add_special_tokens=True)
     assert codec.decode(ids) == reference.decode(ids, skip_special_tokens=True)

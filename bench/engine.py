@@ -1,0 +1,353 @@
+"""The stage engine against plain transformers and llama.cpp, in one run, same file, same cores.
+
+Phases (each in its own process, `--threads` torch/llama.cpp threads, default 2):
+
+1. transformers-fp32: `generate` on the embedded GGUF dequantized to float32 (what
+   `--weights fp32` converts it to), timed by a streamer;
+2. swarmd fp32 / int8 / int4: a `swarmd run` subprocess (`--weights fp32 --dtype float32`,
+   `--weights int8`, and the default, int4), streamed `/v1/chat/completions`;
+3. llama.cpp: `python -m llama_cpp.server` on the same GGUF, streamed the same way (when
+   the optional `bench` extra is installed: `make bench-deps`).
+
+Per phase: decode tok/s of a greedy 128-token reply ((tokens - 1) / first-to-last token
+time), TTFT of that reply, prefill tok/s of a ~500-token prompt (prompt tokens / time to
+its first token; each run's prompt starts with a new line so no server can reuse a cached
+prefix), and the server's peak RSS (VmHWM) after its runs; medians of `--runs`. Ends with
+
+    RESULT int4_over_llamacpp=<r> int4_over_fp32=<r> prefill_over_llamacpp=<r> rss_mb=<MB>
+
+(rss_mb: the int4 node's peak). Nothing else should run on the machine meanwhile.
+
+Usage: .venv/bin/python bench/engine.py [--cache-dir DIR] [--runs 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import platformdirs
+from procstat import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "Write a long story about a dragon who learns to bake bread. Make it at least 500 words."
+PREFILL_LINE = "The harbour lights were lit at dusk and the fishing boats came home one by one."
+PREFILL_LINES = 28  # about 500 tokens
+
+
+@dataclass
+class Phase:
+    name: str
+    decode_tok_s: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    prefill_tok_s: list[float] = field(default_factory=list)
+    rss_mb: float | None = None
+    note: str = ""
+
+    def median(self, values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path(platformdirs.user_cache_dir("swarmd"))
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # transformers phase, in a child
+    return parser.parse_args()
+
+
+def prefill_prompt(run: int) -> str:
+    lines = [f"Note {run}: read the following and summarise it in one sentence."]
+    lines += [f"{i}. {PREFILL_LINE}" for i in range(PREFILL_LINES)]
+    return "\n".join(lines)
+
+
+# --- a streaming OpenAI client ----------------------------------------------------------
+
+
+def stream_chat(
+    port: int, model: str, prompt: str, max_tokens: int
+) -> tuple[float, list[float], int]:
+    """(seconds to the first content chunk, arrival times of content chunks, prompt tokens)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    started = time.perf_counter()
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
+    arrivals: list[float] = []
+    prompt_tokens = 0
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:") or line.endswith("[DONE]"):
+            continue
+        event = json.loads(line[5:])
+        for choice in event.get("choices") or []:
+            if choice.get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+        usage = event.get("usage")
+        if usage:
+            prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    conn.close()
+    if not arrivals:
+        raise RuntimeError("no content came back")
+    return arrivals[0] - started, arrivals, prompt_tokens
+
+
+def measure_server(phase: Phase, port: int, model: str, args: argparse.Namespace, pid: int) -> None:
+    stream_chat(port, model, PROMPT, 8)  # warm-up
+    for _ in range(args.runs):
+        ttft, arrivals, _ = stream_chat(port, model, PROMPT, args.max_tokens)
+        phase.ttft_ms.append(ttft * 1000)
+        if len(arrivals) > 1:
+            phase.decode_tok_s.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+    for run in range(args.runs):
+        ttft, _, prompt_tokens = stream_chat(port, model, prefill_prompt(run), 1)
+        phase.prefill_tok_s.append(prompt_tokens / ttft)
+    phase.rss_mb = peak_rss_mb(pid)
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def wait_http(port: int, path: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no answer on :{port}{path} in {timeout_s:g} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+# --- phases -----------------------------------------------------------------------------
+
+
+def swarmd_phase(name: str, flags: list[str], args: argparse.Namespace, workdir: Path) -> Phase:
+    phase = Phase(name)
+    port = free_port()
+    cmd = [sys.executable, "-m", "swarmd", "run", "--port", str(port), "--p2p-port", "0"]
+    cmd += ["--data-dir", str(workdir / name), "--cache-dir", str(args.cache_dir)]
+    cmd += ["--torch-threads", str(args.threads), *flags]
+    log = (workdir / f"{name}.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_http(port, "/health", proc, 600)
+        health = json.loads(_get(port, "/health"))
+        model = health["models"][0]
+        phase.note = f"{model['weights']} weights, {model['dtype']}, {model['backend']}"
+        measure_server(phase, port, model["id"], args, proc.pid)
+    finally:
+        stop(proc)
+        log.close()
+    return phase
+
+
+def llamacpp_phase(gguf: Path, args: argparse.Namespace, workdir: Path) -> Phase:
+    phase = Phase("llama.cpp")
+    if importlib.util.find_spec("llama_cpp") is None:
+        phase.note = "not installed (make bench-deps builds it, about 10 minutes)"
+        return phase
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
+    cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+    cmd += ["--n_ctx", "4096", "--model_alias", "gguf"]
+    log = (workdir / "llamacpp.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+    try:
+        wait_http(port, "/v1/models", proc, 300)
+        import llama_cpp
+
+        phase.note = f"llama-cpp-python {llama_cpp.__version__}, same GGUF"
+        measure_server(phase, port, "gguf", args, proc.pid)
+    finally:
+        stop(proc)
+        log.close()
+    return phase
+
+
+def transformers_phase(args: argparse.Namespace) -> Phase:
+    """Run in a child process: its peak RSS is then the transformers run's alone."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            "transformers",
+            "--cache-dir",
+            str(args.cache_dir),
+            "--runs",
+            str(args.runs),
+            "--threads",
+            str(args.threads),
+            "--max-tokens",
+            str(args.max_tokens),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return Phase(
+        "transformers-fp32",
+        data["decode"],
+        data["ttft"],
+        data["prefill"],
+        data["rss"],
+        "generate(), float32",
+    )
+
+
+def transformers_child(args: argparse.Namespace) -> None:
+    import threading
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+
+    torch.set_num_threads(args.threads)
+    folder = resolve_model(EMBEDDED_MODEL_ID, args.cache_dir, "fp32").model_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    def run(prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        kwargs = {
+            **inputs,
+            "max_new_tokens": max_tokens,
+            "do_sample": False,
+            "streamer": streamer,
+            "pad_token_id": tokenizer.eos_token_id,
+        }
+        started = time.perf_counter()
+        worker = threading.Thread(target=model.generate, kwargs=kwargs)
+        worker.start()
+        arrivals = [time.perf_counter() for piece in streamer if piece]
+        worker.join()
+        return arrivals[0] - started, arrivals, int(inputs["input_ids"].shape[1])
+
+    decode, ttft, prefill = [], [], []
+    run(PROMPT, 8)
+    for _ in range(args.runs):
+        first, arrivals, _ = run(PROMPT, args.max_tokens)
+        ttft.append(first * 1000)
+        decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+    for i in range(args.runs):
+        first, _, count = run(prefill_prompt(i), 1)
+        prefill.append(count / first)
+    print(
+        json.dumps(
+            {"decode": decode, "ttft": ttft, "prefill": prefill, "rss": peak_rss_mb(os.getpid())}
+        )
+    )
+
+
+def _get(port: int, path: str) -> bytes:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", path)
+    return conn.getresponse().read()
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child == "transformers":
+        transformers_child(args)
+        return
+    sys.path.insert(0, str(REPO))
+    from swarmd.model.source import embedded_gguf_path
+
+    gguf = embedded_gguf_path()
+    workdir = Path(tempfile.mkdtemp(prefix="swarmd-bench-engine-"))
+    phases = [transformers_phase(args)]
+    phases.append(
+        swarmd_phase("swarmd-fp32", ["--weights", "fp32", "--dtype", "float32"], args, workdir)
+    )
+    phases.append(swarmd_phase("swarmd-int8", ["--weights", "int8"], args, workdir))
+    phases.append(swarmd_phase("swarmd-int4", [], args, workdir))
+    phases.append(llamacpp_phase(gguf, args, workdir))
+    print(
+        f"\n{gguf.name}, {args.threads} threads, {args.max_tokens}-token greedy replies, "
+        f"medians of {args.runs}"
+    )
+    print(
+        f"{'phase':<18} {'decode tok/s':>12} {'TTFT ms':>8} {'prefill tok/s':>13} {'peak RSS MB':>11}  notes"
+    )
+    for p in phases:
+        print(
+            f"{p.name:<18} {_fmt(p.median(p.decode_tok_s)):>12} {_fmt(p.median(p.ttft_ms), 0):>8} "
+            f"{_fmt(p.median(p.prefill_tok_s), 0):>13} {_fmt(p.rss_mb, 0):>11}  {p.note}"
+        )
+    by = {p.name: p for p in phases}
+    int4, fp32, cpp = by["swarmd-int4"], by["swarmd-fp32"], by["llama.cpp"]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+    print(
+        f"RESULT int4_over_llamacpp={ratio(int4.median(int4.decode_tok_s), cpp.median(cpp.decode_tok_s))} "
+        f"int4_over_fp32={ratio(int4.median(int4.decode_tok_s), fp32.median(fp32.decode_tok_s))} "
+        f"prefill_over_llamacpp={ratio(int4.median(int4.prefill_tok_s), cpp.median(cpp.prefill_tok_s))} "
+        f"rss_mb={_fmt(int4.rss_mb, 0)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
