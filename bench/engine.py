@@ -327,9 +327,8 @@ def main() -> None:
         f"\n{gguf.name}, {args.threads} threads, {args.max_tokens}-token greedy replies, "
         f"medians of {args.runs}"
     )
-    print(
-        f"{'phase':<18} {'decode tok/s':>12} {'TTFT ms':>8} {'prefill tok/s':>13} {'peak RSS MB':>11}  notes"
-    )
+    header = ("phase", "decode tok/s", "TTFT ms", "prefill tok/s", "peak RSS MB")
+    print(f"{header[0]:<18} {header[1]:>12} {header[2]:>8} {header[3]:>13} {header[4]:>11}  notes")
     for p in phases:
         print(
             f"{p.name:<18} {_fmt(p.median(p.decode_tok_s)):>12} {_fmt(p.median(p.ttft_ms), 0):>8} "
@@ -341,11 +340,12 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 
+    decode = ratio(int4.median(int4.decode_tok_s), cpp.median(cpp.decode_tok_s))
+    over_fp32 = ratio(int4.median(int4.decode_tok_s), fp32.median(fp32.decode_tok_s))
+    prefill = ratio(int4.median(int4.prefill_tok_s), cpp.median(cpp.prefill_tok_s))
     print(
-        f"RESULT int4_over_llamacpp={ratio(int4.median(int4.decode_tok_s), cpp.median(cpp.decode_tok_s))} "
-        f"int4_over_fp32={ratio(int4.median(int4.decode_tok_s), fp32.median(fp32.decode_tok_s))} "
-        f"prefill_over_llamacpp={ratio(int4.median(int4.prefill_tok_s), cpp.median(cpp.prefill_tok_s))} "
-        f"rss_mb={_fmt(int4.rss_mb, 0)}"
+        f"RESULT int4_over_llamacpp={decode} int4_over_fp32={over_fp32} "
+        f"prefill_over_llamacpp={prefill} rss_mb={_fmt(int4.rss_mb, 0)}"
     )
 
 

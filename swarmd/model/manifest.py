@@ -4,8 +4,8 @@ A manifest (`manifest.json`, written by `swarmd shard`) names the model id, the
 architecture and its config, the number of layers, the format the weights are stored
 in, the files every node needs (tokenizer, chat template, generation config) and the
 shards: each a layer range [start, end) with file name, size, SHA-256 and the SHA-256
-of every `chunk_bytes` piece of it. The chunk hashes let a node that fetches a shard from peers check each piece as it arrives, so a
-holder that sends wrong bytes is caught at the first bad chunk and a broken transfer
+of every `chunk_bytes` piece of it. The chunk hashes let a node that fetches a shard
+from peers check each piece as it arrives, so a holder that sends wrong bytes is caught at the first bad chunk and a broken transfer
 resumes from the last good one.
 
 The manifest's **content id** is the SHA-256 of its canonical JSON (keys sorted, no
