@@ -5,8 +5,8 @@ architecture and its config, the number of layers, the format the weights are st
 in, the files every node needs (tokenizer, chat template, generation config) and the
 shards: each a layer range [start, end) with file name, size, SHA-256 and the SHA-256
 of every `chunk_bytes` piece of it. The chunk hashes let a node that fetches a shard
-from peers check each piece as it arrives, so a holder that sends wrong bytes is caught at the first bad chunk and a broken transfer
-resumes from the last good one.
+from peers check each piece as it arrives, so a holder that sends wrong bytes is caught
+at the first bad chunk and a broken transfer resumes from the last good one.
 
 The manifest's **content id** is the SHA-256 of its canonical JSON (keys sorted, no
 spaces, ASCII) without the `content_id` field. It is the model's identity in DHT records:
