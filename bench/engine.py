@@ -6,8 +6,9 @@ Phases (each in its own process, `--threads` torch/llama.cpp threads, default 2)
    `--weights fp32` converts it to), timed by a streamer;
 2. swarmd fp32 / int8 / int4: a `swarmd run` subprocess (`--weights fp32 --dtype float32`,
    `--weights int8`, and the default, int4), streamed `/v1/chat/completions`;
-3. llama.cpp: `python -m llama_cpp.server` on the same GGUF, streamed the same way (when
-   the optional `bench` extra is installed: `make bench-deps`).
+3. llama.cpp: llama-cpp-python's own engine on the same GGUF, streamed in-process (no HTTP
+   in between, so a stricter baseline than any server), when the optional `bench` extra
+   is installed (`make bench-deps`).
 
 Per phase: decode tok/s of a greedy 128-token reply ((tokens - 1) / first-to-last token
 time), TTFT of that reply, prefill tok/s of a ~500-token prompt (prompt tokens / time to
@@ -16,7 +17,8 @@ prefix), and the server's peak RSS (VmHWM) after its runs; medians of `--runs`. 
 
     RESULT int4_over_llamacpp=<r> int4_over_fp32=<r> prefill_over_llamacpp=<r> rss_mb=<MB>
 
-(rss_mb: the int4 node's peak). Nothing else should run on the machine meanwhile.
+(rss_mb: the int4 node's peak after its 128-token replies). Nothing else should run on
+the machine meanwhile.
 
 Usage: .venv/bin/python bench/engine.py [--cache-dir DIR] [--runs 3] [--threads 2]
 """
@@ -36,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 from procstat import free_port
@@ -52,7 +55,8 @@ class Phase:
     decode_tok_s: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
     prefill_tok_s: list[float] = field(default_factory=list)
-    rss_mb: float | None = None
+    rss_mb: float | None = None  # peak after the 128-token replies
+    rss_after_prefill_mb: float | None = None  # peak after the ~500-token prompts too
     note: str = ""
 
     def median(self, values: list[float]) -> float | None:
@@ -69,6 +73,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # transformers phase, in a child
     return parser.parse_args()
+
+
+def story_prompt(run: int) -> str:
+    # A new first line each run: no server may reuse a cached prompt.
+    return f"Story number {run}. {PROMPT}"
 
 
 def prefill_prompt(run: int) -> str:
@@ -119,17 +128,21 @@ def stream_chat(
     return arrivals[0] - started, arrivals, prompt_tokens
 
 
-def measure_server(phase: Phase, port: int, model: str, args: argparse.Namespace, pid: int) -> None:
-    stream_chat(port, model, PROMPT, 8)  # warm-up
-    for _ in range(args.runs):
-        ttft, arrivals, _ = stream_chat(port, model, PROMPT, args.max_tokens)
+def measure_server(
+    phase: Phase, port: int, model: str, args: argparse.Namespace, pid: int, counts: list[int]
+) -> None:
+    """`counts`: the prompt tokens of each prefill prompt (the same tokenizer and template)."""
+    stream_chat(port, model, story_prompt(-1), 8)  # warm-up
+    for run in range(args.runs):
+        ttft, arrivals, _ = stream_chat(port, model, story_prompt(run), args.max_tokens)
         phase.ttft_ms.append(ttft * 1000)
         if len(arrivals) > 1:
             phase.decode_tok_s.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
-    for run in range(args.runs):
-        ttft, _, prompt_tokens = stream_chat(port, model, prefill_prompt(run), 1)
-        phase.prefill_tok_s.append(prompt_tokens / ttft)
     phase.rss_mb = peak_rss_mb(pid)
+    for run in range(args.runs):
+        ttft, _, _ = stream_chat(port, model, prefill_prompt(run), 1)
+        phase.prefill_tok_s.append(counts[run] / ttft)
+    phase.rss_after_prefill_mb = peak_rss_mb(pid)
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -171,7 +184,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 # --- phases -----------------------------------------------------------------------------
 
 
-def swarmd_phase(name: str, flags: list[str], args: argparse.Namespace, workdir: Path) -> Phase:
+def swarmd_phase(
+    name: str, flags: list[str], args: argparse.Namespace, workdir: Path, counts: list[int]
+) -> Phase:
     phase = Phase(name)
     port = free_port()
     cmd = [sys.executable, "-m", "swarmd", "run", "--port", str(port), "--p2p-port", "0"]
@@ -184,77 +199,116 @@ def swarmd_phase(name: str, flags: list[str], args: argparse.Namespace, workdir:
         health = json.loads(_get(port, "/health"))
         model = health["models"][0]
         phase.note = f"{model['weights']} weights, {model['dtype']}, {model['backend']}"
-        measure_server(phase, port, model["id"], args, proc.pid)
+        measure_server(phase, port, model["id"], args, proc.pid, counts)
     finally:
         stop(proc)
         log.close()
     return phase
 
 
-def llamacpp_phase(gguf: Path, args: argparse.Namespace, workdir: Path) -> Phase:
-    phase = Phase("llama.cpp")
+def llamacpp_phase(args: argparse.Namespace) -> Phase:
+    """llama.cpp's own engine (llama-cpp-python, in a child process, no HTTP in between: a
+    stricter baseline than a server; llama-cpp-python's Python server measured slower)."""
     if importlib.util.find_spec("llama_cpp") is None:
-        phase.note = "not installed (make bench-deps builds it, about 10 minutes)"
-        return phase
-    port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)]
-    cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
-    cmd += ["--n_ctx", "4096", "--model_alias", "gguf"]
-    log = (workdir / "llamacpp.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    try:
-        wait_http(port, "/v1/models", proc, 300)
-        import llama_cpp
+        return Phase("llama.cpp", note="not installed (make bench-deps builds it, ~10 min)")
+    data = _child(args, "llamacpp")
+    return Phase(
+        "llama.cpp",
+        decode_tok_s=data["decode"],
+        ttft_ms=data["ttft"],
+        prefill_tok_s=data["prefill"],
+        rss_mb=data["rss"],
+        rss_after_prefill_mb=data["rss_after_prefill"],
+        note=f"llama-cpp-python {data['version']}, in-process, same GGUF",
+    )
 
-        phase.note = f"llama-cpp-python {llama_cpp.__version__}, same GGUF"
-        measure_server(phase, port, "gguf", args, proc.pid)
-    finally:
-        stop(proc)
-        log.close()
-    return phase
+
+def llamacpp_child(args: argparse.Namespace) -> None:
+    import llama_cpp
+
+    from swarmd.model.source import embedded_gguf_path
+
+    llm = llama_cpp.Llama(
+        str(embedded_gguf_path()),
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_ctx=4096,
+        verbose=False,
+    )
+
+    def run(prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
+        messages = [{"role": "user", "content": prompt}]
+        started = time.perf_counter()
+        arrivals = []
+        for chunk in llm.create_chat_completion(
+            messages, max_tokens=max_tokens, temperature=0, stream=True
+        ):
+            if chunk["choices"][0]["delta"].get("content"):
+                arrivals.append(time.perf_counter())
+        return arrivals[0] - started, arrivals, 0
+
+    _child_runs(args, run, {"version": llama_cpp.__version__})
+
+
+def _child(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", kind, "--cache-dir", str(args.cache_dir)]
+    cmd += ["--runs", str(args.runs), "--threads", str(args.threads)]
+    cmd += ["--max-tokens", str(args.max_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _child_runs(args: argparse.Namespace, run: Any, extra: dict[str, Any]) -> None:
+    """The timed runs of an in-process phase; prints its figures as one JSON line."""
+    counts = prompt_counts(args.cache_dir, args.runs)
+    decode, ttft, prefill = [], [], []
+    run(story_prompt(-1), 8)
+    for i in range(args.runs):
+        first, arrivals, _ = run(story_prompt(i), args.max_tokens)
+        ttft.append(first * 1000)
+        decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+    rss = peak_rss_mb(os.getpid())
+    for i in range(args.runs):
+        first, _, _ = run(prefill_prompt(i), 1)
+        prefill.append(counts[i] / first)
+    result = {"decode": decode, "ttft": ttft, "prefill": prefill, "rss": rss, **extra}
+    print(json.dumps({**result, "rss_after_prefill": peak_rss_mb(os.getpid())}))
 
 
 def transformers_phase(args: argparse.Namespace) -> Phase:
     """Run in a child process: its peak RSS is then the transformers run's alone."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--child",
-            "transformers",
-            "--cache-dir",
-            str(args.cache_dir),
-            "--runs",
-            str(args.runs),
-            "--threads",
-            str(args.threads),
-            "--max-tokens",
-            str(args.max_tokens),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1800,
-    )
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data = _child(args, "transformers")
     return Phase(
         "transformers-fp32",
-        data["decode"],
-        data["ttft"],
-        data["prefill"],
-        data["rss"],
-        "generate(), float32",
+        decode_tok_s=data["decode"],
+        ttft_ms=data["ttft"],
+        prefill_tok_s=data["prefill"],
+        rss_mb=data["rss"],
+        rss_after_prefill_mb=data["rss_after_prefill"],
+        note="generate(), float32",
     )
 
 
 def transformers_child(args: argparse.Namespace) -> None:
-    import threading
-
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.generation.streamers import BaseStreamer
 
     from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
 
+    class Clock(BaseStreamer):  # type: ignore[misc]
+        """When each new token comes out (the first `put` is the prompt)."""
+
+        def __init__(self) -> None:
+            self.calls: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.calls.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    # generate() runs on this thread, the one that loaded the model: no second OpenMP team.
     torch.set_num_threads(args.threads)
     folder = resolve_model(EMBEDDED_MODEL_ID, args.cache_dir, "fp32").model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -265,35 +319,30 @@ def transformers_child(args: argparse.Namespace) -> None:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
         inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
-        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
-        kwargs = {
-            **inputs,
-            "max_new_tokens": max_tokens,
-            "do_sample": False,
-            "streamer": streamer,
-            "pad_token_id": tokenizer.eos_token_id,
-        }
+        clock = Clock()
         started = time.perf_counter()
-        worker = threading.Thread(target=model.generate, kwargs=kwargs)
-        worker.start()
-        arrivals = [time.perf_counter() for piece in streamer if piece]
-        worker.join()
+        with torch.inference_mode():
+            model.generate(
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        arrivals = clock.calls[1:]
         return arrivals[0] - started, arrivals, int(inputs["input_ids"].shape[1])
 
-    decode, ttft, prefill = [], [], []
-    run(PROMPT, 8)
-    for _ in range(args.runs):
-        first, arrivals, _ = run(PROMPT, args.max_tokens)
-        ttft.append(first * 1000)
-        decode.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
-    for i in range(args.runs):
-        first, _, count = run(prefill_prompt(i), 1)
-        prefill.append(count / first)
-    print(
-        json.dumps(
-            {"decode": decode, "ttft": ttft, "prefill": prefill, "rss": peak_rss_mb(os.getpid())}
-        )
-    )
+    _child_runs(args, run, {})
+
+
+def prompt_counts(cache_dir: Path, runs: int) -> list[int]:
+    """Tokens of each prefill prompt, as the embedded model's tokenizer and chat template
+    make them (llama.cpp's stream reports no usage; it renders the same template)."""
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.text import ChatMessage, TextCodec
+
+    codec = TextCodec.load(resolve_model(EMBEDDED_MODEL_ID, cache_dir).model_dir)
+    return [len(codec.chat_prompt([ChatMessage("user", prefill_prompt(r))])) for r in range(runs)]
 
 
 def _get(port: int, path: str) -> bytes:
@@ -308,32 +357,40 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def main() -> None:
     args = parse_args()
-    if args.child == "transformers":
-        transformers_child(args)
+    if args.child:
+        {"transformers": transformers_child, "llamacpp": llamacpp_child}[args.child](args)
         return
     sys.path.insert(0, str(REPO))
     from swarmd.model.source import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     workdir = Path(tempfile.mkdtemp(prefix="swarmd-bench-engine-"))
+    counts = prompt_counts(args.cache_dir, args.runs)
     phases = [transformers_phase(args)]
-    phases.append(
-        swarmd_phase("swarmd-fp32", ["--weights", "fp32", "--dtype", "float32"], args, workdir)
-    )
-    phases.append(swarmd_phase("swarmd-int8", ["--weights", "int8"], args, workdir))
-    phases.append(swarmd_phase("swarmd-int4", [], args, workdir))
-    phases.append(llamacpp_phase(gguf, args, workdir))
+    fp32 = ["--weights", "fp32", "--dtype", "float32"]
+    phases.append(swarmd_phase("swarmd-fp32", fp32, args, workdir, counts))
+    phases.append(swarmd_phase("swarmd-int8", ["--weights", "int8"], args, workdir, counts))
+    phases.append(swarmd_phase("swarmd-int4", [], args, workdir, counts))
+    phases.append(llamacpp_phase(args))
     print(
         f"\n{gguf.name}, {args.threads} threads, {args.max_tokens}-token greedy replies, "
         f"medians of {args.runs}"
     )
-    header = ("phase", "decode tok/s", "TTFT ms", "prefill tok/s", "peak RSS MB")
-    print(f"{header[0]:<18} {header[1]:>12} {header[2]:>8} {header[3]:>13} {header[4]:>11}  notes")
+    header = ("phase", "decode tok/s", "TTFT ms", "prefill tok/s", "RSS MB", "+prefill")
+    print(
+        f"{header[0]:<18} {header[1]:>12} {header[2]:>8} {header[3]:>13} {header[4]:>7} "
+        f"{header[5]:>8}  notes"
+    )
     for p in phases:
         print(
             f"{p.name:<18} {_fmt(p.median(p.decode_tok_s)):>12} {_fmt(p.median(p.ttft_ms), 0):>8} "
-            f"{_fmt(p.median(p.prefill_tok_s), 0):>13} {_fmt(p.rss_mb, 0):>11}  {p.note}"
+            f"{_fmt(p.median(p.prefill_tok_s), 0):>13} {_fmt(p.rss_mb, 0):>7} "
+            f"{_fmt(p.rss_after_prefill_mb, 0):>8}  {p.note}"
         )
+    print(
+        f"(RSS: peak after the {args.max_tokens}-token replies; +prefill: after the "
+        f"{min(counts)}-{max(counts)}-token prompts too)"
+    )
     by = {p.name: p for p in phases}
     int4, fp32, cpp = by["swarmd-int4"], by["swarmd-fp32"], by["llama.cpp"]
 

@@ -1,9 +1,9 @@
 """Peak memory of loading one layer range of a sharded model, against the whole model.
 
-Shards the embedded model in three (into --out, once), then loads each range in a fresh
-process, runs one forward pass and reads every weight (so all of it is in memory), and
-prints its peak RSS (ru_maxrss), beside a process that only imports what loading needs
-(the floor every node pays: Python, torch, transformers).
+Shards the embedded model in three (into --out, once; int4 with an int8 table, the GGUF's
+own format), then loads each range in a fresh process as a node does, runs one forward
+pass, and prints its peak RSS (ru_maxrss), beside a process that only imports what
+loading needs (the floor every node pays: Python, torch, swarmd's model code).
 
     .venv/bin/python bench/shard_memory.py --cache-dir /tmp/sw/cache --out /tmp/sw/smol3
 """
@@ -27,18 +27,18 @@ layers = sys.argv[2]
 started = time.monotonic()
 if layers != "none":
     import torch
+    from swarmd.model.memory import keep_large_blocks_returnable, release_free_heap
+
+    keep_large_blocks_returnable()  # as a node loads (swarmd/node.py)
     source = resolve_model(sys.argv[1], sys.argv[1])
     model = load_model(source, layers)
+    release_free_heap()
     stage = model.stage
-    # safetensors maps files lazily, so a load alone would not show what a serving node
-    # holds. One forward pass, then a read of every weight: a forward pass reads only the
-    # embedding rows of its few tokens.
+    # The engine reads every weight into memory at load (no memory map); one forward pass
+    # adds what a step needs.
     hidden = torch.zeros(1, 4, stage.hidden_size)
     inputs = torch.tensor([[1, 2, 3, 4]]) if stage.is_first else hidden
-    stage(inputs, stage.new_cache())
-    with torch.inference_mode():
-        for weight in stage.parameters():
-            weight.sum()
+    stage(inputs, stage.new_cache(8))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, time.monotonic() - started)
 """
 
