@@ -6,8 +6,10 @@ Where things live:
 - `swarmd.node`       `Node`: start-up and shutdown of one daemon
 - `swarmd.acquire`    before loading: `--layers auto` placement and fetching missing files
 - `swarmd.errors`     the exception tree (drawn at its top)
-- `swarmd.model`      loading models, the stage (a layer range with KV caches), sampling,
-                      the torch worker thread
+- `swarmd.dtypes`     the one table of weight formats and compute dtypes
+- `swarmd.model`      models on disk (GGUF conversion, shards, quantized weights), loading,
+                      the runtime (a stage with KV caches), sampling, the torch worker
+- `swarmd.engine`     swarmd's own forward for the Llama family and Gemma 3
 - `swarmd.pipeline`   generation sessions: the coordinator's loop over a route of stages
 - `swarmd.api`        the aiohttp OpenAI-compatible HTTP API, /metrics, the diagnostics report
 - `swarmd.web`        the chat page served at "/" (index.html, app.js, markdown.js, style.css)

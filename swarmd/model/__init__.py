@@ -1,17 +1,26 @@
 """Models: from a file on disk to a stage that runs a layer range.
 
-- `source.py`    `resolve_model`: embedded id, GGUF file or Hugging Face folder -> folder
-                 (GGUF converted once into the user cache, under a lock)
-- `loader.py`    `LoadedModel`, `load_model`: config + stage + tokenizer of one model
-                 (a sharded model's files are verified against its manifest first)
-- `manifest.py`  `Manifest`: shards, hashes, content id; `parse_manifest` (untrusted input)
-- `shards.py`    `write_shards` (`swarmd shard`), `hash_file`, `verify_files`
-- `memory.py`    per-layer weight bytes and free memory, for `--layers auto`
-- `layers.py`    `LayerRange` [start, end)
-- `families.py`  which transformers classes build a stage of each architecture
-- `stage.py`     `StageModule` (layers [start, end), renumbered) and `load_stage`
-- `runtime.py`   `StageRuntime`: a stage's sessions, each with its KV cache and sampler
-- `sampling.py`  `SamplingParams`, the filters, `Sampler`
-- `text.py`      `TextCodec` (tokenizer, chat prompt), `IncrementalDetokenizer`, `StopMatcher`
-- `worker.py`    `TorchWorker`: the one thread that runs torch
+- `source.py`        `resolve_model`: embedded id, GGUF file or Hugging Face folder -> folder
+                     (a GGUF converted once per weight format into the user cache)
+- `gguf_convert.py`  `write_converted`: a GGUF's config, tokenizer and weights (Q4 blocks
+                     taken as int4 exactly, the rest requantized once)
+- `quant.py`         int4 / int8 matrices: from GGUF blocks, from floats, stored form,
+                     `convert`, `StoredTensors` (a checkpoint's tensors by name)
+- `tensorfile.py`    safetensors read and written one tensor at a time (no memory map)
+- `loader.py`        `LoadedModel`, `load_model`: config + stage + tokenizer of one model,
+                     on the engine or the exact transformers path
+- `manifest.py`      `Manifest`: shards, hashes, content id; `parse_manifest` (untrusted)
+- `shards.py`        `write_shards` (`swarmd shard`, any `--weights`)
+- `hashing.py`       `hash_file`, `file_sha256`, `verify_files` against a manifest
+- `memory.py`        per-layer held bytes and free memory (`--layers auto`); the C heap
+- `layers.py`        `LayerRange` [start, end)
+- `families.py`      which transformers classes build an exact-path stage
+- `stage.py`         `StageModule` (transformers modules, layers renumbered), `load_stage`
+- `runtime.py`       `Stage` (what a runtime runs), `StageRuntime`: sessions and samplers
+- `sampling.py`      `SamplingParams`, the filters, `Sampler`
+- `text.py`          `TextCodec` (tokenizers + chat prompt), `IncrementalDetokenizer`,
+                     `StopMatcher`; `chat_template.py` renders templates as transformers
+- `worker.py`        `TorchWorker`: the one thread that runs torch, typed jobs; waited on
+                     from asyncio there and from trio in `worker_trio.py`
+- `threads.py`       torch threads: one per physical core, on the worker thread alone
 """

@@ -40,8 +40,14 @@ log = logging.getLogger(__name__)
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_KEY = "swarmd.weights"  # safetensors metadata: the folder's weights label
 
-# GGUF general.architecture -> what swarmd runs it as (Mistral GGUFs say "llama").
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+# GGUF general.architecture -> the model types transformers reads it as (llama.cpp writes
+# Mistral models as "llama"; transformers tells them apart by name).
+ARCHITECTURES = {
+    "llama": ("llama", "mistral"),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "gemma3": ("gemma3_text",),
+}
 # What each GGUF tensor type is held as under `--weights auto`.
 AUTO_FORMATS = {
     "Q4_0": "int4",
@@ -100,7 +106,7 @@ class _Plan:
 
 
 def gguf_architecture(path: Path, reader: GGUFReader) -> str:
-    """The model_type swarmd runs a GGUF file as; ModelLoadError for anything else."""
+    """The file's general.architecture, if swarmd runs it; ModelLoadError otherwise."""
     field = reader.fields.get("general.architecture")
     arch = str(field.contents()) if field is not None else "?"
     if arch not in ARCHITECTURES:
@@ -108,7 +114,7 @@ def gguf_architecture(path: Path, reader: GGUFReader) -> str:
             f"{path.name}: the GGUF architecture '{arch}' is not supported; swarmd runs "
             f"{', '.join(sorted(ARCHITECTURES))}"
         )
-    return ARCHITECTURES[arch]
+    return arch
 
 
 def write_converted(gguf_path: Path, out: Path, weights: str) -> str:
@@ -118,10 +124,10 @@ def write_converted(gguf_path: Path, out: Path, weights: str) -> str:
         raise ModelLoadError(f"weights '{weights}' is not auto or one of {WEIGHT_FORMATS}")
     # Reading a GGUF's metadata is slow (28 s for Gemma 3's 262k-token vocabulary): once.
     reader = _open(gguf_path)
-    model_type = gguf_architecture(gguf_path, reader)
+    arch = gguf_architecture(gguf_path, reader)
     _check_tensor_types(reader)  # refused before the slow config and tokenizer parse
-    config = _write_config_and_tokenizer(gguf_path, out, model_type, reader)
-    plans = _plan(reader, config, weights)
+    config = _write_config_and_tokenizer(gguf_path, out, arch, reader)
+    plans = _plan(reader, config, arch, weights)
     label = weights_label({p.fmt for p in plans if _is_layer_matrix(p)})
     specs = [spec for plan in plans for spec in plan.specs()]
     by_name = {t.name: t for t in reader.tensors}
@@ -166,7 +172,9 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     return f"model.layers.{index}.{suffix}" if suffix else None
 
 
-def _plan(reader: GGUFReader, config: dict[str, object], weights: str) -> list[_Plan]:
+def _plan(
+    reader: GGUFReader, config: dict[str, object], arch: str, weights: str
+) -> list[_Plan]:
     model_type = str(config["model_type"])
     family = model_type.removesuffix("_text")
     heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
@@ -200,9 +208,10 @@ def _plan(reader: GGUFReader, config: dict[str, object], weights: str) -> list[_
             if fmt == "int4" and not quant.int4_fits(*shape):
                 fmt = "int8"  # torch's int4 kernel needs N % 16 == 0 and K % 32 == 0
         permute = 0
-        if family == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+        # llama.cpp permutes q/k rows of the GGUF "llama" architecture (Mistral included).
+        if arch == "llama" and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             permute = heads
-        elif family == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             permute = kv_heads
         minus_one = family == "gemma3" and "norm.weight" in tensor.name
         plans.append(_Plan(tensor.name, name, qtype, shape, fmt, permute, minus_one))
@@ -257,7 +266,7 @@ def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
 
 
 def _write_config_and_tokenizer(
-    gguf_path: Path, out: Path, model_type: str, reader: GGUFReader
+    gguf_path: Path, out: Path, arch: str, reader: GGUFReader
 ) -> dict[str, object]:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -271,8 +280,11 @@ def _write_config_and_tokenizer(
         )
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"Cannot read the GGUF file {gguf_path}: {exc}") from exc
-    if config.model_type != model_type:
-        raise ModelLoadError(f"{gguf_path.name}: config says {config.model_type}, not {model_type}")
+    if config.model_type not in ARCHITECTURES[arch]:
+        raise ModelLoadError(
+            f"{gguf_path.name}: a '{arch}' file read as {config.model_type}, which swarmd "
+            "does not run"
+        )
     factors = _rope_freq_factors(reader)
     if factors is not None:
         config.rope_freq_factors = factors  # Llama 3's rope scaling, as llama.cpp stores it

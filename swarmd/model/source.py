@@ -143,26 +143,22 @@ def _gguf_digest(gguf: Path, models: Path) -> str:
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     memo = models / "gguf-digests.json"
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):
-        known = {}
-    digest = known.get(key)
+    digest = _read_memo(memo).get(key)
     if isinstance(digest, str) and len(digest) == 64:
         return digest
     digest = file_sha256(gguf)
     models.mkdir(parents=True, exist_ok=True)
     with exclusive(models / "gguf-digests.lock"):
-        try:
-            current = json.loads(memo.read_text())
-        except (OSError, ValueError):
-            current = {}
-        if not isinstance(current, dict):
-            current = {}
-        current[key] = digest
+        current = {**_read_memo(memo), key: digest}  # read again: another node may have added
         scratch = memo.with_suffix(".tmp")
         scratch.write_text(json.dumps(current, indent=1) + "\n")
         os.replace(scratch, memo)
     return digest
+
+
+def _read_memo(memo: Path) -> dict[str, object]:
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -363,3 +364,27 @@ def test_swarmd_chat_streams_to_the_terminal(
     )
     assert result.stdout.strip() == (expected.choices[0].message.content or "").strip()
     assert "local via" in result.stderr
+
+
+def test_concurrent_sessions_each_get_their_solo_reply(
+    client: openai.OpenAI, embedded_node: NodeProcess
+) -> None:
+    """Sessions interleave on the worker, each with its own KV cache: a greedy reply is the
+    same alone or beside others."""
+    prompts = ["Name a fruit.", "What is 2 + 3?", "Say hello in French.", "Describe rain."]
+
+    def reply(prompt: str) -> list[int]:
+        out = client.chat.completions.create(
+            model=embedded_node.model_id,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=24,
+            extra_body={"return_token_ids": True},
+        )
+        return list(out.choices[0].model_extra["token_ids"])
+
+    alone = [reply(p) for p in prompts]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        together = list(pool.map(reply, prompts))
+    assert together == alone
+    assert len({tuple(t) for t in alone}) == len(prompts)

@@ -1,0 +1,10 @@
+"""The stage engine: swarmd's own forward for the Llama family and Gemma 3.
+
+- `arch.py`    `ArchSpec`: what the forward needs of a config, per family (no transformers)
+- `linear.py`  held matrices (`Dense`, `Int8`, `Int4`: torch's CPU kernels) and
+               `Projection`, which fuses q/k/v and gate/up into one call
+- `rope.py`    `RopeTable`: rotary cos/sin from a table grown on demand
+- `kv.py`      `KVCache`: one session's keys and values, one buffer grown in place
+- `stage.py`   `LeanStage`: layers [start, end), prefill and decode, `view` of a sub-range
+- `load.py`    `load_lean_stage`: a stage from safetensors by a plain name table
+"""
