@@ -28,6 +28,7 @@ import trio
 
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
+from swarmd.dtypes import AUTO, default_compute_dtype, label_formats
 from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError, SwarmError
 from swarmd.model.hashing import missing_files
 from swarmd.model.layers import LayerRange
@@ -143,7 +144,9 @@ def _place(
     budget = (
         int(config.memory_budget_gb * 1e9) if config.memory_budget_gb else available_memory_bytes()
     )
-    per_layer = layer_weight_bytes(source, manifest, config.weights, config.dtype)
+    per_layer = layer_weight_bytes(
+        source, manifest, config.weights, _dtype(config, source, manifest)
+    )
     placement = choose_layers(len(per_layer), per_layer, held, int(budget * WEIGHTS_SHARE))
     log.info(
         "--layers auto chose %s: %s (memory budget %.1f GB%s, %d%% of it for weights)",
@@ -154,6 +157,25 @@ def _place(
         int(WEIGHTS_SHARE * 100),
     )
     return placement
+
+
+def _dtype(config: Config, source: ModelSource | None, manifest: Manifest | None) -> str:
+    """The compute dtype the node will run (what `--dtype auto` resolves to)."""
+    if config.dtype != AUTO:
+        return config.dtype
+    if config.weights != AUTO:
+        stored = {config.weights}
+    elif manifest is not None:
+        stored = label_formats(manifest.weights)
+    elif source is not None:
+        from swarmd.engine.load import stored_formats
+
+        stored = stored_formats(sorted(source.model_dir.glob("*.safetensors")))
+    else:
+        stored = set()
+    from swarmd.model.loader import cpu_capability
+
+    return default_compute_dtype(frozenset(stored), cpu_capability())
 
 
 class _SwarmJob:

@@ -89,6 +89,19 @@ def default_compute_dtype(weight_formats: set[str] | frozenset[str], cpu_capabil
     return "float32"
 
 
+DENSE_OF: dict[str, str] = {compute: fmt for fmt, compute in DENSE.items()}  # "bfloat16" -> "bf16"
+
+
+def held_format(stored: str, weights: str, dtype_name: str) -> str:
+    """The format a matrix stored as `stored` is held in, for `--weights` and `--dtype`
+    (a concrete compute dtype name). `auto` keeps quantized matrices as they are and holds
+    dense ones in the compute dtype (a float32 checkpoint run with --dtype bfloat16 holds
+    bfloat16 weights)."""
+    if weights != AUTO:
+        return weights
+    return stored if stored in QUANTIZED else DENSE_OF[dtype_name]
+
+
 def head_format(weights: str) -> str:
     """How the embeddings and LM head are held when the layers are `weights`.
 

@@ -84,6 +84,7 @@ class Node:
             model_id=model.model_id,
             num_layers=model.num_layers,
             vocab_size=model.vocab_size,
+            chunk_tokens=config.prefill_chunk_tokens,
             max_failovers=config.max_failovers,
             # The ring waits a little longer than a stage's own step limit, so a slow
             # stage reports its timeout before the ring blames silence.

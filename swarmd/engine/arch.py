@@ -169,7 +169,7 @@ def _attn_scale(config: dict[str, Any], gemma: bool, head_dim: int) -> float:
 def _sliding_window(config: dict[str, Any], model_type: str) -> int | None:
     if model_type in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
         return None
-    default = 4096 if model_type in ("mistral", GEMMA3) else None
+    default = 4096 if model_type in ("mistral", "qwen2", "qwen3", GEMMA3) else None
     value = config.get("sliding_window", default)
     return None if value is None else int(value)
 
@@ -184,7 +184,7 @@ def _layer_types(config: dict[str, Any], model_type: str, num_layers: int) -> tu
         )
         types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
     elif model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
-        start = int(config.get("max_window_layers") or 28)
+        start = int(config.get("max_window_layers", 28))
         types = tuple(SLIDING if i >= start else FULL for i in range(num_layers))
     else:
         types = (FULL,) * num_layers
@@ -233,6 +233,8 @@ def _rope_spec(params: dict[str, Any], factors: tuple[float, ...]) -> RopeSpec:
 def _check(spec: ArchSpec, config: dict[str, Any]) -> None:
     if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
         raise ModelLoadError("A partial rotary factor is not supported by the engine")
+    if spec.attn_softcap is not None:
+        raise ModelLoadError("Attention logit soft-capping is not supported by the engine")
     if spec.heads % spec.kv_heads:
         raise ModelLoadError(f"{spec.heads} heads do not share {spec.kv_heads} KV heads evenly")
     if spec.head_dim % 2:

@@ -60,6 +60,3 @@ class KVCache:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         return keys[:, :, first:end], values[:, :, first:end]
-
-    def nbytes(self) -> int:
-        return self._buffer.numel() * self._buffer.element_size()

@@ -32,8 +32,6 @@ class Matrix(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...  # [M, K] -> [M, N]
 
-    def nbytes(self) -> int: ...
-
 
 class Dense:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> None:
@@ -46,9 +44,6 @@ class Dense:
         if x.dtype == self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
-
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
 
 
 class Int8:
@@ -63,9 +58,6 @@ class Int8:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x, self.values, self.scale)
         return out if self.bias is None else out.add_(self.bias)
-
-    def nbytes(self) -> int:
-        return self.values.numel() + self.scale.numel() * self.scale.element_size()
 
 
 class Int4:
@@ -89,9 +81,6 @@ class Int4:
             x, self.packed, INT4_GROUP, self.scale_zero
         )
         return out if self.bias is None else out.add_(self.bias)
-
-    def nbytes(self) -> int:
-        return self.packed.numel() + self.scale_zero.numel() * self.scale_zero.element_size()
 
 
 def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -> Matrix:
@@ -176,9 +165,6 @@ class Projection:
     def single(self, x: torch.Tensor) -> torch.Tensor:
         """The output of a projection of one matrix."""
         return self.groups[0][0](x)
-
-    def nbytes(self) -> int:
-        return sum(m.nbytes() for m, _ in self.groups)
 
     @property
     def formats(self) -> set[str]:

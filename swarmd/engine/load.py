@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swarmd.dtypes import AUTO, DENSE, QUANTIZED, head_format
+from swarmd.dtypes import QUANTIZED, head_format, held_format
 from swarmd.engine.arch import ArchSpec
 from swarmd.engine.linear import Matrix, Projection, make_matrix
 from swarmd.engine.rope import RopeTable
@@ -24,22 +24,9 @@ from swarmd.model.layers import LayerRange
 from swarmd.model.quant import Stored, StoredTensors, convert, stored_format
 from swarmd.model.tensorfile import TensorReader
 
-DENSE_OF = {compute: fmt for fmt, compute in DENSE.items()}  # "bfloat16" -> "bf16"
-
 # Our name -> the checkpoint name under model.layers.N. (matrices without ".weight")
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj")
-
-
-def held_format(stored: str, weights: str, dtype_name: str) -> str:
-    """The format a matrix stored as `stored` is held in, for `--weights` and `--dtype`.
-
-    `auto` keeps quantized matrices as they are and holds dense ones in the compute
-    dtype (a float32 checkpoint run with --dtype bfloat16 holds bfloat16 weights).
-    """
-    if weights != AUTO:
-        return weights
-    return stored if stored in QUANTIZED else DENSE_OF[dtype_name]
 
 
 def stored_formats(files: Iterable[Path]) -> set[str]:
@@ -80,9 +67,11 @@ def load_lean_stage(
         ]
         embed, head, norm = None, None, None
         if layers.is_first():
-            embed = _embedding(tensors, spec, weights, dtype, dtype_name)
+            embed = _embedding(tensors, spec, weights, dtype_name)
         if layers.is_last(spec.num_layers):
-            norm = _norm(tensors.get("model.norm.weight"), spec)
+            norm = _norm(
+                _shaped("model.norm.weight", tensors.get("model.norm.weight"), (spec.hidden,)), spec
+            )  # type: ignore[arg-type]
             head = _head(tensors, spec, weights, dtype, dtype_name, embed)
     finally:
         tensors.close()
@@ -93,6 +82,15 @@ def load_lean_stage(
 def _norm(weight: torch.Tensor, spec: ArchSpec) -> torch.Tensor:
     # Gemma's (1 + w), folded in once in float32 as transformers computes it.
     return (weight.float() + spec.norm_offset).to(ACT)
+
+
+def _shaped(name: str, stored: Stored, shape: tuple[int, ...]) -> Stored:
+    """The tensor itself if it has the shape the config says; ModelLoadError naming both."""
+    if tuple(stored.shape) != shape:
+        raise ModelLoadError(
+            f"Tensor '{name}' is {list(stored.shape)}, the model's config says {list(shape)}"
+        )
+    return stored
 
 
 def _convert(stored: Stored, weights: str, dtype_name: str) -> Stored:
@@ -108,16 +106,35 @@ def _layer(
     dtype_name: str,
 ) -> LayerWeights:
     prefix = f"model.layers.{index}."
+    hidden, inner = spec.hidden, spec.intermediate
+    q_rows, kv_rows = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    rows = {
+        "self_attn.q_proj": (q_rows, hidden),
+        "self_attn.k_proj": (kv_rows, hidden),
+        "self_attn.v_proj": (kv_rows, hidden),
+        "self_attn.o_proj": (hidden, q_rows),
+        "mlp.gate_proj": (inner, hidden),
+        "mlp.up_proj": (inner, hidden),
+        "mlp.down_proj": (hidden, inner),
+    }
 
     def projection(names: tuple[str, ...], with_bias: bool) -> Projection:
-        parts = [
-            _convert(tensors.matrix(prefix + n + ".weight"), weights, dtype_name) for n in names
-        ]
-        biases = [tensors.optional(prefix + n + ".bias") if with_bias else None for n in names]
+        parts, biases = [], []
+        for n in names:
+            name = prefix + n + ".weight"
+            parts.append(
+                _convert(_shaped(name, tensors.matrix(name), rows[n]), weights, dtype_name)
+            )
+            bias = tensors.optional(prefix + n + ".bias") if with_bias else None
+            if bias is not None:
+                bias = _shaped(prefix + n + ".bias", bias, rows[n][:1])
+            biases.append(bias)
         return Projection(parts, biases, dtype)
 
-    def norm(name: str) -> torch.Tensor:
-        return _norm(tensors.get(prefix + name + ".weight"), spec)
+    def norm(name: str, size: int = hidden) -> torch.Tensor:
+        full = prefix + name + ".weight"
+        weight = _shaped(full, tensors.get(full), (size,))
+        return _norm(weight, spec)  # type: ignore[arg-type]
 
     gemma = spec.is_gemma
     block = LayerWeights(
@@ -130,27 +147,27 @@ def _layer(
         kind=spec.layer_types[index],
     )
     if spec.qk_norm:
-        block.q_norm = norm("self_attn.q_norm")
-        block.k_norm = norm("self_attn.k_norm")
+        block.q_norm = norm("self_attn.q_norm", spec.head_dim)
+        block.k_norm = norm("self_attn.k_norm", spec.head_dim)
     if gemma:
         block.post_attn_norm = norm("post_attention_layernorm")
         block.post_mlp_norm = norm("post_feedforward_layernorm")
     return block
 
 
-def _table_format(stored: Stored, weights: str, dtype_name: str) -> str:
-    """Embeddings and head: int8 under quantized layers, else the layers' rule."""
+def _table(
+    tensors: StoredTensors, name: str, spec: ArchSpec, weights: str, dtype_name: str
+) -> Stored:
+    """The embeddings or the head as held: int8 under quantized layers (an int4 table is
+    held int8 too: lookups read its rows), else the layers' rule."""
+    stored = _shaped(name, tensors.matrix(name), (spec.vocab, spec.hidden))
     target = held_format(stored_format(stored), weights, dtype_name)
-    return head_format(target) if target in QUANTIZED else target
+    table = convert(stored, head_format(target) if target in QUANTIZED else target)
+    return convert(table, "int8") if isinstance(table, quant.Int4) else table
 
 
-def _embedding(
-    tensors: StoredTensors, spec: ArchSpec, weights: str, dtype: torch.dtype, dtype_name: str
-) -> Embedding:
-    stored = tensors.matrix("model.embed_tokens.weight")
-    table = convert(stored, _table_format(stored, weights, dtype_name))
-    if isinstance(table, quant.Int4):  # lookups read rows: int4 tables are held int8
-        table = convert(table, "int8")
+def _embedding(tensors: StoredTensors, spec: ArchSpec, weights: str, dtype_name: str) -> Embedding:
+    table = _table(tensors, "model.embed_tokens.weight", spec, weights, dtype_name)
     if isinstance(table, quant.Int8):
         return Embedding(table.values, table.scale, spec.embed_scale)
     if not isinstance(table, torch.Tensor):
@@ -166,18 +183,15 @@ def _head(
     dtype_name: str,
     embed: Embedding | None,
 ) -> Matrix:
+    if embed is not None and spec.tie_embeddings:
+        # A tied head on a stage that also holds the table: one tensor serves both (a last
+        # shard's lm_head.weight is a copy of it).
+        if embed.scale is not None:
+            return make_matrix(quant.Int8(embed.table, embed.scale), None, dtype)
+        return make_matrix(embed.table, None, dtype)
     name = "lm_head.weight"
     if name not in tensors:
         if not spec.tie_embeddings:
             raise ModelLoadError("The model has no lm_head.weight and does not tie embeddings")
         name = "model.embed_tokens.weight"
-    if embed is not None and name == "model.embed_tokens.weight":
-        # A tied head on a stage that also holds the table: one tensor serves both.
-        if embed.scale is not None:
-            return make_matrix(quant.Int8(embed.table, embed.scale), None, dtype)
-        return make_matrix(embed.table, None, dtype)
-    stored = tensors.matrix(name)
-    table = convert(stored, _table_format(stored, weights, dtype_name))
-    if isinstance(table, quant.Int4):
-        table = convert(table, "int8")
-    return make_matrix(table, None, dtype)
+    return make_matrix(_table(tensors, name, spec, weights, dtype_name), None, dtype)

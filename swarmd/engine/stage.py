@@ -61,10 +61,6 @@ class Embedding:
             rows = rows * self.scale[ids].unsqueeze(-1)
         return rows if self.multiplier == 1.0 else rows * self.multiplier
 
-    def nbytes(self) -> int:
-        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
-        return self.table.numel() * self.table.element_size() + extra
-
 
 class LeanStage:
     def __init__(
@@ -110,16 +106,6 @@ class LeanStage:
                 formats |= proj.formats
         return formats
 
-    def nbytes(self) -> int:
-        total = 0 if self.embed is None else self.embed.nbytes()
-        if self.head is not None and not (
-            self.embed is not None and getattr(self.head, "values", None) is self.embed.table
-        ):
-            total += self.head.nbytes()
-        for b in self.blocks:
-            total += b.qkv.nbytes() + b.o.nbytes() + b.gate_up.nbytes() + b.down.nbytes()
-        return total
-
     def new_cache(self, max_length: int) -> KVCache:
         spec = self.spec
         return KVCache(len(self.blocks), spec.kv_heads, spec.head_dim, ACT, max_length)
@@ -146,7 +132,11 @@ class LeanStage:
 
     @torch.inference_mode()
     def forward(
-        self, inputs: torch.Tensor, cache: KVCache, all_positions: bool = False
+        self,
+        inputs: torch.Tensor,
+        cache: KVCache,
+        alone: bool = False,
+        all_positions: bool = False,
     ) -> torch.Tensor:
         """Run one chunk of tokens through this stage.
 
@@ -154,6 +144,11 @@ class LeanStage:
         Returns [B, T, H] float32 hidden states, or on the last stage [B, V] float32
         logits of the chunk's final position ([B, T, V] with `all_positions`, for scoring
         a text).
+
+        `alone`: each position attends as a one-token step would. Attention over a chunk of
+        queries rounds differently from one query at a time (SDPA's kernels block the work
+        differently), and every other op here gives a row the same bits whatever the
+        chunk; so a chunk run `alone` is bit for bit the one-token steps it replays.
         """
         if self.embed is not None:
             hidden = self.embed(inputs)
@@ -168,7 +163,7 @@ class LeanStage:
         step = _Step(self.spec, self.ropes, start, count)
         x = hidden.reshape(batch * count, self.hidden_size)  # [M, H], M = B * T
         for index, block in enumerate(self.blocks):
-            x = self._layer(block, index, x, batch, count, cache, step)
+            x = self._layer(block, index, x, batch, count, cache, step, alone)
         cache.length = end
         if self.head is None or self.norm is None:
             return x.view(batch, count, self.hidden_size)
@@ -194,6 +189,7 @@ class LeanStage:
         count: int,
         cache: KVCache,
         step: _Step,
+        alone: bool,
     ) -> torch.Tensor:
         spec = self.spec
         heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
@@ -222,15 +218,31 @@ class LeanStage:
         v = v.reshape(batch, count, kv_heads, head_dim).transpose(1, 2)
         first, mask = step.masks(block.kind)
         keys, values = cache.write_and_read(index, k, v, step.start, first)  # [B, kv, L, D]
-        attn = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=mask is None and count > 1,
-            scale=spec.attn_scale,
-            enable_gqa=heads != kv_heads,
-        )  # [B, heads, T, D]
+        gqa = heads != kv_heads
+        if alone and count > 1:
+            rows = []
+            for t in range(count):  # as the one-token step at position start + t attended
+                lo, hi = step.window_of(block.kind, step.start + t)
+                rows.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, t : t + 1],
+                        keys[:, :, lo - first : hi - first],
+                        values[:, :, lo - first : hi - first],
+                        scale=spec.attn_scale,
+                        enable_gqa=gqa,
+                    )
+                )
+            attn = torch.cat(rows, dim=2)  # [B, heads, T, D]
+        else:
+            attn = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=mask,
+                is_causal=mask is None and count > 1,
+                scale=spec.attn_scale,
+                enable_gqa=gqa,
+            )  # [B, heads, T, D]
         attn = attn.transpose(1, 2).reshape(batch * count, heads * head_dim).to(mm)
         out = block.o.single(attn)  # [M, H]
         if block.post_attn_norm is not None:
@@ -260,6 +272,13 @@ class _Step:
             self.rope[kind] = table.rows(start, count)
         self._masks = _Masks(spec, start, count)
         self.masks = self._masks.for_kind
+        self._window = spec.sliding_window
+
+    def window_of(self, kind: str, position: int) -> tuple[int, int]:
+        """[first, end) of the cached positions a one-token step at `position` reads."""
+        if kind == SLIDING and self._window is not None:
+            return max(0, position + 1 - self._window), position + 1
+        return 0, position + 1
 
 
 class _Masks:

@@ -172,9 +172,7 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     return f"model.layers.{index}.{suffix}" if suffix else None
 
 
-def _plan(
-    reader: GGUFReader, config: dict[str, object], arch: str, weights: str
-) -> list[_Plan]:
+def _plan(reader: GGUFReader, config: dict[str, object], arch: str, weights: str) -> list[_Plan]:
     model_type = str(config["model_type"])
     family = model_type.removesuffix("_text")
     heads = int(config["num_attention_heads"])  # type: ignore[call-overload]

@@ -20,11 +20,19 @@ from typing import Any
 
 import torch
 
-from swarmd.dtypes import AUTO, COMPUTE_DTYPES, WEIGHT_FORMATS, default_compute_dtype, weights_label
+from swarmd.dtypes import (
+    AUTO,
+    COMPUTE_DTYPES,
+    WEIGHT_FORMATS,
+    default_compute_dtype,
+    held_format,
+    label_formats,
+    weights_label,
+)
 from swarmd.errors import ConfigError, ModelLoadError
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
-from swarmd.model.runtime import Stage
+from swarmd.model.runtime import Stage, trial_forward
 from swarmd.model.source import ModelSource
 from swarmd.model.text import TextCodec
 
@@ -40,7 +48,7 @@ class LoadedModel:
     source: ModelSource
     config: dict[str, Any]  # the Hugging Face config, as a dict
     layers: LayerRange
-    weights: str  # how the layer matrices are held: int4, int8, ..., or e.g. int4+int8
+    weights: str  # how the model's layer matrices are held: int4, ..., or e.g. int4+int8
     dtype_name: str  # what the matrix kernels read ("bfloat16", ...)
     hidden_dtype: torch.dtype  # the hidden states this stage takes and gives
     backend: str  # ENGINE or TRANSFORMERS
@@ -81,29 +89,40 @@ def load_model(
     if dtype != AUTO and dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"dtype '{dtype}' is not auto or one of {', '.join(COMPUTE_DTYPES)}")
     config = read_config(source)
-    # The tokenizer first: its parse peaks above what it keeps, better before the weights.
-    codec = TextCodec.load(source.model_dir)
     num_layers = int(config["num_hidden_layers"])
     layer_range = LayerRange.parse(layers, num_layers) if layers else LayerRange(0, num_layers)
-    files = _files(source, layer_range)
-    from swarmd.engine.load import held_format, stored_formats
+    files = _files(source, layer_range)  # a sharded model's: verified first
+    # The tokenizer before the weights: its parse peaks above what it keeps.
+    codec = TextCodec.load(source.model_dir)
+    from swarmd.engine.load import stored_formats
 
-    stored = stored_formats(files)
+    stored = stored_formats(files)  # this range's
+    # The whole model's formats decide the dtype and the label every holder announces, so
+    # nodes holding different ranges of one model agree on both (routes compare them).
+    model_stored = label_formats(source.manifest.weights) if source.manifest else stored
     if dtype == AUTO:
-        wanted = stored if weights == AUTO else {weights}
+        wanted = model_stored if weights == AUTO else {weights}
         dtype = default_compute_dtype(frozenset(wanted), cpu_capability())
     held = {held_format(fmt, weights, dtype) for fmt in stored or {"fp32"}}
+    label = weights_label({held_format(fmt, weights, dtype) for fmt in model_stored or {"fp32"}})
     started = time.monotonic()
     backend, stage, hidden = _load_stage(
         source, config, files, layer_range, weights, held, stored, dtype
     )
-    label = weights_label(stage.weight_formats) if stage.weight_formats else weights_label(held)
+    try:
+        # A stage that cannot run refuses to start here, not on every request once announced.
+        trial_forward(stage)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise ModelLoadError(
+            f"Layers {layer_range} of {source.model_id} do not run: {exc}"
+        ) from exc
     log.info(
-        "loaded %s layers %s of %d (%s weights, %s kernels, %s) in %.2f s",
+        "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s) in %.2f s",
         source.model_id,
         layer_range,
         num_layers,
         label,
+        weights_label(stage.weight_formats),
         dtype,
         "swarmd engine" if backend == ENGINE else "transformers modules",
         time.monotonic() - started,

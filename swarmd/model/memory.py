@@ -13,7 +13,7 @@ import math
 import os
 from pathlib import Path
 
-from swarmd.dtypes import AUTO, FLOAT_TAGS, INT4_GROUP, QUANTIZED, SAFETENSORS_ITEM, label_formats
+from swarmd.dtypes import FLOAT_TAGS, INT4_GROUP, SAFETENSORS_ITEM, held_format, label_formats
 from swarmd.errors import ModelLoadError
 from swarmd.model.layers import tensor_layer
 from swarmd.model.manifest import Manifest
@@ -24,7 +24,6 @@ from swarmd.model.tensorfile import read_header
 # Bytes a node holds per weight of each format (int4: 4 bits + a 16-bit scale and zero per
 # 32 weights; int8: the per-row scale is negligible).
 HELD_BYTES = {"int4": 0.5 + 4 / INT4_GROUP, "int8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
-_DENSE_OF = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def available_memory_bytes() -> int:
@@ -62,25 +61,19 @@ def _proc_kb(path: str, key: str) -> int | None:
 def layer_weight_bytes(
     source: ModelSource | None, manifest: Manifest | None, weights: str, dtype: str
 ) -> list[int]:
-    """Bytes of weights per layer as this node would hold them (`--weights`, `--dtype`):
+    """Bytes of weights per layer as this node would hold them (`--weights`, and `dtype`
+    a concrete compute dtype name):
     the embeddings counted in layer 0, the final norm and the head (a copy of the
     embeddings when tied) in the last layer."""
     if manifest is not None:
-        stored = label_formats(manifest.weights)
-        stored_bytes = max(HELD_BYTES[f] for f in stored) if stored else 4.0
-        held = _held(next(iter(stored), "fp32"), weights, dtype)
-        return [math.ceil(b * HELD_BYTES[held] / stored_bytes) for b in manifest.layer_bytes()]
+        # A shard's bytes are spread over formats it does not say; take the largest growth
+        # any of its formats would see (a mixed int4+int8 model sized as if all int8).
+        stored = label_formats(manifest.weights) or {"fp32"}
+        ratio = max(HELD_BYTES[held_format(f, weights, dtype)] / HELD_BYTES[f] for f in stored)
+        return [math.ceil(b * ratio) for b in manifest.layer_bytes()]
     if source is None:
         raise ModelLoadError("no model to size: neither a folder nor a manifest")
     return _folder_layer_bytes(source.model_dir, weights, dtype)
-
-
-def _held(stored: str, weights: str, dtype: str) -> str:
-    if weights != AUTO:
-        return weights
-    if stored in QUANTIZED:
-        return stored
-    return _DENSE_OF.get(dtype, stored)
 
 
 def _folder_layer_bytes(model_dir: Path, weights: str, dtype: str) -> list[int]:
@@ -111,7 +104,9 @@ def safetensors_sizes(path: Path, weights: str, dtype: str) -> dict[str, int]:
         for suffix, fmt, per_item in _COMPANIONS:
             if name.endswith(suffix):
                 base = name.removesuffix(suffix)
-                sizes[base] = math.ceil(count * per_item * HELD_BYTES[_held(fmt, weights, dtype)])
+                sizes[base] = math.ceil(
+                    count * per_item * HELD_BYTES[held_format(fmt, weights, dtype)]
+                )
                 break
         else:
             if name.endswith(_SCALES):
@@ -119,7 +114,7 @@ def safetensors_sizes(path: Path, weights: str, dtype: str) -> dict[str, int]:
             if tag in FLOAT_TAGS:
                 fmt = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}.get(tag, "fp32")
                 per = (
-                    HELD_BYTES[_held(fmt, weights, dtype)]
+                    HELD_BYTES[held_format(fmt, weights, dtype)]
                     if len(info.get("shape", [])) == 2
                     else SAFETENSORS_ITEM[tag]
                 )

@@ -39,7 +39,7 @@ class Int4:
     def shape(self) -> tuple[int, int]:
         return int(self.values.shape[0]), int(self.values.shape[1])
 
-    def rows(self, index: torch.Tensor) -> Int4:
+    def rows(self, index: torch.Tensor | slice) -> Int4:
         return Int4(self.values[index], self.scale[index], self.zero[index])
 
 
@@ -52,7 +52,7 @@ class Int8:
     def shape(self) -> tuple[int, int]:
         return int(self.values.shape[0]), int(self.values.shape[1])
 
-    def rows(self, index: torch.Tensor) -> Int8:
+    def rows(self, index: torch.Tensor | slice) -> Int8:
         return Int8(self.values[index], self.scale[index])
 
 
@@ -70,11 +70,21 @@ def int4_fits(n: int, k: int) -> bool:
 # --- from floats ------------------------------------------------------------------------
 
 
+ROW_CHUNK = 8192  # rows quantized at a time: a 128k-token table never has a float32 twin
+
+
 def quantize_int4(weight: torch.Tensor) -> Int4:
     """Asymmetric min/max quantization of each group of 32 (GGUF's Q4_1 rule)."""
     n, k = weight.shape
     if k % INT4_GROUP:
         raise ModelLoadError(f"int4 needs rows of a multiple of {INT4_GROUP} values, not {k}")
+    if n > ROW_CHUNK:
+        parts = [quantize_int4(weight[i : i + ROW_CHUNK]) for i in range(0, n, ROW_CHUNK)]
+        return Int4(
+            torch.cat([p.values for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
     groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     low = groups.amin(dim=-1)
     high = groups.amax(dim=-1)
@@ -87,6 +97,10 @@ def quantize_int4(weight: torch.Tensor) -> Int4:
 
 def quantize_int8(weight: torch.Tensor) -> Int8:
     """Symmetric quantization with one scale per row."""
+    if weight.shape[0] > ROW_CHUNK:
+        rows = range(0, weight.shape[0], ROW_CHUNK)
+        parts = [quantize_int8(weight[i : i + ROW_CHUNK]) for i in rows]
+        return Int8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
     w = weight.float()
     scale = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -99,7 +113,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> Quantized:
 
 
 def dequantize(weight: Quantized) -> torch.Tensor:
-    """The float32 matrix a quantized one stands for."""
+    """The float32 matrix a quantized one stands for (callers hold it: one matrix)."""
     if isinstance(weight, Int8):
         return weight.values.float() * weight.scale.unsqueeze(1)
     n, k = weight.shape
@@ -121,18 +135,39 @@ def stored_format(stored: Stored) -> str:
 
 def convert(stored: Stored, fmt: str) -> Stored:
     """A stored matrix in format `fmt`; itself when it already is. An int4 target that
-    torch's kernel cannot take (`int4_fits`) becomes int8."""
+    torch's kernel cannot take (`int4_fits`) becomes int8. Rows go ROW_CHUNK at a time, so
+    no whole float32 copy of a large table is ever made."""
     if stored_format(stored) == fmt:
         return stored
+    fmt = target_format(fmt, tuple(stored.shape))
+    if stored_format(stored) == fmt:
+        return stored
+    rows = int(stored.shape[0])
     if fmt in DENSE:
-        dense = stored if isinstance(stored, torch.Tensor) else dequantize(stored)
-        return dense.to(getattr(torch, DENSE[fmt]))
-    floats = stored.float() if isinstance(stored, torch.Tensor) else dequantize(stored)
-    if fmt == "int4" and not int4_fits(*floats.shape):
-        if isinstance(stored, Int8):
-            return stored
-        fmt = "int8"
-    return quantize(floats, fmt)
+        out = torch.empty(tuple(stored.shape), dtype=getattr(torch, DENSE[fmt]))
+        for i in range(0, rows, ROW_CHUNK):
+            out[i : i + ROW_CHUNK] = _floats(stored, i)
+        return out
+    parts = [quantize(_floats(stored, i), fmt) for i in range(0, rows, ROW_CHUNK)]
+    if len(parts) == 1:
+        return parts[0]
+    if fmt == "int8":
+        p8 = [p for p in parts if isinstance(p, Int8)]
+        return Int8(torch.cat([p.values for p in p8]), torch.cat([p.scale for p in p8]))
+    p4 = [p for p in parts if isinstance(p, Int4)]
+    return Int4(
+        torch.cat([p.values for p in p4]),
+        torch.cat([p.scale for p in p4]),
+        torch.cat([p.zero for p in p4]),
+    )
+
+
+def _floats(stored: Stored, start: int) -> torch.Tensor:
+    """Rows start..start+ROW_CHUNK of a stored matrix in float32."""
+    span = slice(start, start + ROW_CHUNK)
+    if isinstance(stored, torch.Tensor):
+        return stored[span].float()
+    return dequantize(stored.rows(span))
 
 
 def target_format(fmt: str, shape: tuple[int, ...]) -> str:

@@ -39,7 +39,21 @@ class Stage(Protocol):
 
     def view(self, layers: LayerRange) -> Stage: ...
 
-    def __call__(self, inputs: torch.Tensor, cache: Any) -> torch.Tensor: ...
+    def __call__(self, inputs: torch.Tensor, cache: Any, alone: bool = False) -> torch.Tensor:
+        """`alone`: attend each position of the chunk as a one-token step would."""
+        ...
+
+
+def trial_forward(stage: Stage) -> None:
+    """One small prefill and one decode step outside any session."""
+    cache = stage.new_cache(8)
+    if stage.is_first:
+        chunks = [torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)]
+    else:
+        chunks = [torch.zeros(1, 4, stage.hidden_size), torch.zeros(1, 1, stage.hidden_size)]
+    with torch.inference_mode():
+        for chunk in chunks:
+            stage(chunk, cache)
 
 
 @dataclass
@@ -122,8 +136,13 @@ class StageRuntime:
             session_id, module, module.new_cache(max_length), max_length, sampler
         )
 
-    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> StepResult:
-        """Run one chunk: inputs [1, T] ids (first stage) or [1, T, H] hidden states."""
+    def step(
+        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
+    ) -> StepResult:
+        """Run one chunk: inputs [1, T] ids (first stage) or [1, T, H] hidden states.
+
+        `alone`: each position attends as a one-token step would (a replay of reply
+        tokens after a failover gets the very numbers their decode steps had)."""
         session = self._get(session_id)
         count = int(inputs.shape[1])
         if session.length + count > session.max_length:
@@ -133,7 +152,8 @@ class StageRuntime:
             )
         started = time.perf_counter()
         module = session.module
-        out = module(inputs, session.cache)
+        out = module(inputs, session.cache, alone)
+        session.length += count  # the cache holds them now, whatever sampling does
         token = None
         if module.is_last and want_token:
             if session.sampler is None:
@@ -142,22 +162,13 @@ class StageRuntime:
         elapsed = time.perf_counter() - started
         if self._on_step is not None:
             self._on_step(elapsed)
-        session.length += count
         hidden = None if module.is_last else out
         return StepResult(hidden, token, elapsed)
 
     def warm_up(self) -> None:
-        """One small prefill and one decode step on the held stage, outside any session:
-        the first request then finds the kernels, thread team and tables ready."""
-        stage = self.stage
-        cache = stage.new_cache(8)
-        if stage.is_first:
-            chunks = [torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)]
-        else:
-            chunks = [torch.zeros(1, 4, stage.hidden_size), torch.zeros(1, 1, stage.hidden_size)]
-        with torch.inference_mode():
-            for chunk in chunks:
-                stage(chunk, cache)
+        """A trial forward on the worker thread, outside any session: the first request
+        then finds the kernels, the thread team and the tables ready."""
+        trial_forward(self.stage)
 
     def _view(self, layers: LayerRange | None) -> Stage:
         if layers is None:

@@ -100,8 +100,14 @@ class StageModule(nn.Module):
         return sub.eval()
 
     @torch.inference_mode()
-    def forward(self, inputs: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, cache: DynamicCache, alone: bool = False
+    ) -> torch.Tensor:
         """Run this stage's layers over one chunk of one sequence.
+
+        `alone` is the engine's (each position attended as a one-token step would); the
+        float32 modules' chunked and stepwise results agree to about 1e-7 and take it
+        as a chunk.
 
         inputs: [1, T] token ids on the first stage, else [1, T, H] hidden states.
         Returns [1, T, H] hidden states, or on the last stage [1, V] float32 logits of the

@@ -141,29 +141,45 @@ class TensorReader:
         return name in self._header
 
     def spec(self, name: str) -> TensorSpec:
-        info = self._entry(name)
-        return TensorSpec(name, str(info["dtype"]), tuple(int(d) for d in info["shape"]))  # type: ignore[attr-defined]
+        tag, shape, _ = self._checked(name)
+        return TensorSpec(name, tag, shape)
 
     def get(self, name: str) -> torch.Tensor:
-        info = self._entry(name)
-        tag = str(info["dtype"])
-        if tag not in _DTYPES:
-            raise ModelLoadError(f"{self.path}: tensor {name!r} has unsupported dtype {tag}")
-        shape = tuple(int(d) for d in info["shape"])  # type: ignore[attr-defined]
-        start, end = (int(o) for o in info["data_offsets"])  # type: ignore[attr-defined]
-        dtype = _DTYPES[tag]
-        out = torch.empty(shape, dtype=dtype)
-        if end - start != out.numel() * out.element_size():
-            raise ModelLoadError(f"{self.path}: tensor {name!r} has a size its shape denies")
+        tag, shape, (start, end) = self._checked(name)
+        out = torch.empty(shape, dtype=_DTYPES[tag])
         if out.numel() == 0:
             return out
         handle = self._open()
-        handle.seek(self._data_start + start)
-        raw = out.view(torch.int16) if dtype == torch.bfloat16 else out
-        view = memoryview(raw.numpy()).cast("B")
-        if handle.readinto(view) != end - start:
+        try:
+            handle.seek(self._data_start + start)
+            raw = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+            read = handle.readinto(memoryview(raw.numpy()).cast("B"))
+        except OSError as exc:
+            raise ModelLoadError(f"Cannot read {self.path}: {exc.strerror or exc}") from exc
+        if read != end - start:
             raise ModelLoadError(f"{self.path} ends inside tensor {name!r}")
         return out
+
+    def _checked(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+        """dtype tag, shape and data offsets of a tensor, every one checked against the
+        others before anything is allocated (the header is untrusted input)."""
+        info = self._entry(name)
+        tag, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if tag not in _DTYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has unsupported dtype {tag!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has a bad shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has bad data offsets")
+        spec = TensorSpec(name, str(tag), tuple(shape))
+        if offsets[1] - offsets[0] != spec.nbytes:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has a size its shape denies")
+        return str(tag), tuple(shape), (offsets[0], offsets[1])
 
     def _entry(self, name: str) -> dict[str, object]:
         info = self._header.get(name)

@@ -46,6 +46,7 @@ class StepJob:
     session_id: str
     inputs: torch.Tensor  # [1, T] ids (first stage) or [1, T, H] hidden states
     want_token: bool
+    alone: bool = False  # attend each position as a one-token step would (replays)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class Runtime(Protocol):
         layers: LayerRange | None = None,
     ) -> None: ...
 
-    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> Any: ...
+    def step(
+        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
+    ) -> Any: ...
 
     def close(self, session_id: str) -> None: ...
 
@@ -210,11 +213,21 @@ class TorchWorker:
                     error = InternalError(f"Model step failed: {type(exc).__name__}: {exc}")
                 ticket._end(result, error)
         finally:
+            self._running = False
+            # A job queued after the stop (a submit racing `shutdown`) is failed, not left
+            # to a waiter that would wait for it forever.
+            while True:
+                try:
+                    late = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if late is not None and late._begin():
+                    late._end(None, InternalError("The torch worker stopped"))
             self._exited.set()
 
     def _execute(self, job: Job) -> Any:
         if isinstance(job, StepJob):
-            return self.runtime.step(job.session_id, job.inputs, job.want_token)
+            return self.runtime.step(job.session_id, job.inputs, job.want_token, job.alone)
         if isinstance(job, OpenJob):
             return self.runtime.open(
                 job.session_id, job.max_length, job.sampling, list(job.history), job.layers

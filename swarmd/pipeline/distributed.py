@@ -63,6 +63,7 @@ class ChainSettings:
     model_id: str
     num_layers: int
     vocab_size: int
+    chunk_tokens: int  # a replay feeds reply tokens in chunks of this many
     max_failovers: int
     timeouts: RingTimeouts
 
@@ -158,11 +159,11 @@ class DistributedChain:
             except StageFailedError as exc:
                 await self._fail_over(exc)
 
-    async def _step(self, token_ids: list[int], want: bool) -> int | None:
+    async def _step(self, token_ids: list[int], want: bool, alone: bool = False) -> int | None:
         ring = self._ring
         if ring is None:
             raise InternalError("no ring")
-        reply = await self._access.in_trio(ring.step, token_ids, want)
+        reply = await self._access.in_trio(ring.step, token_ids, want, alone)
         for i, stage_ms in enumerate(reply.stage_ms[: len(self._stage_s)]):
             self._stage_s[i] += stage_ms / 1000.0
         self._activation_bytes += reply.activation_bytes
@@ -193,12 +194,8 @@ class DistributedChain:
         )
         self._ring = ring
         await self._access.in_trio(ring.open)
-        # The same steps, not one long prefill: attention over a chunk of queries does not
-        # round as one query at a time does (SDPA's kernels block differently), and with
-        # bfloat16 matrix inputs such a difference can change a greedy token later on. Fed
-        # step by step, every stage recomputes bit for bit what the lost route computed.
-        for step in self._steps:
-            await self._step(step, False)
+        for tokens, alone in replay_steps(self._steps, self._settings.chunk_tokens):
+            await self._step(tokens, False, alone)
 
     async def _fail_over(self, exc: StageFailedError) -> None:
         await self.close()
@@ -248,6 +245,30 @@ class DistributedChain:
             )
         self.hops = _hops(self.route)
         self._stage_s = _carry_over(old, self.route, self._stage_s)
+
+
+def replay_steps(steps: list[list[int]], chunk: int) -> list[tuple[list[int], bool]]:
+    """How a failover feeds a new route what the lost one took, so that every stage
+    recomputes bit for bit what the lost route computed: each step of several tokens (a
+    prompt chunk) as it was, and each run of one-token steps (the reply) in chunks of
+    `chunk` attended `alone`, as those steps attended. One long prefill would round
+    attention differently, and under bfloat16 kernels that can change a later greedy token.
+    """
+    out: list[tuple[list[int], bool]] = []
+    run: list[int] = []
+    for step in [*steps, []]:  # the empty step ends the last run
+        if len(step) == 1:
+            run.append(step[0])
+            if len(run) == chunk:
+                out.append((run, True))
+                run = []
+            continue
+        if run:
+            out.append((run, len(run) > 1))
+            run = []
+        if step:
+            out.append((step, False))
+    return out
 
 
 def _dialable(peer_id: str, addrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:

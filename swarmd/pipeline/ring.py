@@ -89,13 +89,13 @@ class Ring:
             why = f"the route did not open in {self._timeouts.open_s:g} s"
             raise await self._blame_silence(why)
 
-    async def step(self, token_ids: list[int], want: bool) -> wire.TokenReply:
+    async def step(self, token_ids: list[int], want: bool, alone: bool = False) -> wire.TokenReply:
         if self._up is None or self._ret is None:
             raise InternalError("step() on a ring that is not open")
         n = self._n
         inputs = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
         try:
-            await self._up.send(wire.step_frame(n, want, inputs, [], 0))
+            await self._up.send(wire.step_frame(n, want, inputs, [], 0, alone))
         except PeerError as exc:
             # Stage 0 may have closed its link after reporting a stage behind it: that
             # report, not stage 0, says who failed.

@@ -237,16 +237,21 @@ class StageService:
         opening = OpenJob(
             sid, req.max_length, req.sampling if req.is_last else None, req.history, req.me.layers
         )
+        refused = False
         try:
-            await self._run(opening, self.timeouts.step_s)
-        except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
-            await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
-            return
-        try:
+            try:
+                await self._run(opening, self.timeouts.step_s)
+            except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
+                refused = True  # nothing of this stream's to free (nor another's to touch)
+                await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
+                return
             await self._run_session(up, req)
         finally:
-            with trio.CancelScope(shield=True):
-                await self._run(CloseJob(sid), self.timeouts.step_s)
+            # Also when cancelled or timed out while the open was running: the cache it
+            # made is freed (the close queues behind it).
+            if not refused:
+                with trio.CancelScope(shield=True):
+                    await self._run(CloseJob(sid), self.timeouts.step_s)
 
     async def _run_session(self, up: Link, req: wire.OpenRequest) -> None:
         nxt = req.next_peer
@@ -304,7 +309,7 @@ class StageService:
                 return
             try:
                 result = await self._run(
-                    StepJob(req.sid, step.inputs, step.want), self.timeouts.step_s
+                    StepJob(req.sid, step.inputs, step.want, step.alone), self.timeouts.step_s
                 )
             except SwarmError as exc:  # this stage's own failure (timeout, context, bug)
                 failed = wire.fail_frame(self.peer_id, f"step failed: {exc}", "lost")
@@ -315,7 +320,9 @@ class StageService:
             if req.is_last:
                 out = wire.token_frame(n, result.token, stage_ms, step.activation_bytes)
             else:
-                out = wire.step_frame(n, step.want, result.hidden, stage_ms, step.activation_bytes)
+                out = wire.step_frame(
+                    n, step.want, result.hidden, stage_ms, step.activation_bytes, step.alone
+                )
             await down.send(out)
             n += 1
 

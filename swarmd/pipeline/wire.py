@@ -10,8 +10,8 @@ last stage -> coordinator. Each stream starts with one frame saying what it is:
 
 then, downstream, one frame per chunk of tokens:
 
-    step   {"t": "step", "n", "want", "ids": <int32 bytes>, "ms": [..], "ab"}   to stage 0
-    step   {"t": "step", "n", "want", "h": <bytes>, "dt", "shape": [T, H], "ms", "ab"}
+    step   {"t": "step", "n", "want", "alone", "ids": <int32 bytes>, "ms": [..], "ab"}
+    step   {"t": "step", "n", "want", "alone", "h": <bytes>, "dt", "shape": [T, H], "ms", "ab"}
     tok    {"t": "tok", "n", "id", "ms", "ab"}      the last stage's answer (id -1: none)
     end    {"t": "end"}                             the session is over, free it
 
@@ -112,6 +112,7 @@ class Step:
     inputs: torch.Tensor  # [1, T] ids on the first stage, else [1, T, H]
     stage_ms: tuple[float, ...]
     activation_bytes: int
+    alone: bool = False  # attend each position as a one-token step would
 
 
 @dataclass(frozen=True)
@@ -162,10 +163,16 @@ def open_frame(req: OpenRequest) -> dict[str, Any]:
 
 
 def step_frame(
-    n: int, want: bool, inputs: torch.Tensor, stage_ms: list[float], activation_bytes: int
+    n: int,
+    want: bool,
+    inputs: torch.Tensor,
+    stage_ms: list[float],
+    activation_bytes: int,
+    alone: bool = False,
 ) -> dict[str, Any]:
-    """inputs: [1, T] token ids (to the first stage) or [1, T, H] hidden states."""
-    frame: dict[str, Any] = {"t": "step", "n": n, "want": want, "ms": stage_ms}
+    """inputs: [1, T] token ids (to the first stage) or [1, T, H] hidden states. `alone`:
+    attend each position as a one-token step would (a failover's replay of a reply)."""
+    frame: dict[str, Any] = {"t": "step", "n": n, "want": want, "alone": alone, "ms": stage_ms}
     if inputs.dim() == 2:
         frame["ids"] = inputs[0].to(torch.int32).numpy().tobytes()
     else:
@@ -251,14 +258,14 @@ def parse_step(
     frame: dict[str, Any], expected_n: int, first: bool, limits: StageLimits, dtype: torch.dtype
 ) -> Step:
     """A step for this stage: ids when it is the route's first, else a hidden state."""
-    keys = {"t", "n", "want", "ms", "ab"} | ({"ids"} if first else {"h", "dt", "shape"})
+    keys = {"t", "n", "want", "alone", "ms", "ab"} | ({"ids"} if first else {"h", "dt", "shape"})
     _exact_keys(frame, keys)
     n = _int(frame["n"], "n", 0, 2**62)
     if n != expected_n:
         raise MalformedFrameError(f"step {n} arrived where step {expected_n} was due")
-    want = frame["want"]
-    if not isinstance(want, bool):
-        raise MalformedFrameError("step 'want' is not a bool")
+    want, alone = frame["want"], frame["alone"]
+    if not isinstance(want, bool) or not isinstance(alone, bool):
+        raise MalformedFrameError("step 'want' or 'alone' is not a bool")
     stage_ms = _stage_ms(frame["ms"])
     ab = _int(frame["ab"], "ab", 0, 2**62)
     if first:
@@ -268,7 +275,7 @@ def parse_step(
         inputs = torch.tensor([ids], dtype=torch.long)  # [1, T]
     else:
         inputs = parse_hidden(frame, limits.hidden_size, dtype)
-    return Step(n, want, inputs, stage_ms, ab)
+    return Step(n, want, inputs, stage_ms, ab, alone)
 
 
 def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:

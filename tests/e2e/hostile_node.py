@@ -26,9 +26,14 @@ def corrupt(mode: str) -> None:
     honest = wire.step_frame
 
     def step_frame(
-        n: int, want: bool, inputs: torch.Tensor, stage_ms: list[float], activation_bytes: int
+        n: int,
+        want: bool,
+        inputs: torch.Tensor,
+        stage_ms: list[float],
+        activation_bytes: int,
+        alone: bool = False,
     ) -> dict[str, Any]:
-        frame = honest(n, want, inputs, stage_ms, activation_bytes)
+        frame = honest(n, want, inputs, stage_ms, activation_bytes, alone)
         if "h" not in frame:  # token ids: this node is not the one to lie here
             return frame
         tokens, width = frame["shape"]

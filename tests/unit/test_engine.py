@@ -171,3 +171,30 @@ def test_an_architecture_the_engine_does_not_run_is_refused() -> None:
                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
             }
         )
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
+def test_a_chunk_run_alone_is_bit_for_bit_its_one_token_steps(
+    family: str, weights: str, tmp_path: Path
+) -> None:
+    """What a failover's replay relies on: the reply's tokens fed again as one chunk,
+    attended `alone`, leave the cache and the logits exactly as their decode steps did.
+    torch's int4, int8 and bfloat16 kernels give a row the same bits in any batch; its
+    float32 GEMM does not (it blocks by row count): there, equal to float32 rounding."""
+    path, _ = make_tiny(family, tmp_path)
+    stage = lean(path, weights=weights)
+    ids = prompt(16, seed=11)  # past the sliding window of 6
+    stepped, replayed = stage.new_cache(16), stage.new_cache(16)
+    stage(ids[:, :5], stepped)
+    for t in range(5, 16):
+        expected = stage(ids[:, t : t + 1], stepped)
+    stage(ids[:, :5], replayed)
+    got = stage(ids[:, 5:16], replayed, alone=True)
+    cached, reference = replayed._buffer[..., :16, :], stepped._buffer[..., :16, :]
+    if weights == "fp32":
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+        torch.testing.assert_close(cached, reference, rtol=0, atol=ATOL)
+    else:
+        assert torch.equal(got, expected)
+        assert torch.equal(cached, reference)

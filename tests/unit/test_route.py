@@ -442,3 +442,18 @@ def test_a_narrow_search_still_finds_a_valid_route() -> None:
         route = plan(cands, rtt, config=narrow)
         check_valid(route)
         assert round(route.est_s * 1e9) >= brute_force_ns(cands, rtt)
+
+
+def test_a_replay_keeps_prompt_chunks_and_regroups_the_reply() -> None:
+    from swarmd.pipeline.distributed import replay_steps
+
+    steps = [[1, 2, 3], [4, 5], [6], [7], [8], [9], [10]]
+    assert replay_steps(steps, 2) == [
+        ([1, 2, 3], False),
+        ([4, 5], False),
+        ([6, 7], True),
+        ([8, 9], True),
+        ([10], False),
+    ]
+    assert replay_steps([[1]], 4) == [([1], False)]
+    assert replay_steps([], 4) == []

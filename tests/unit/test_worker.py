@@ -38,7 +38,9 @@ class FakeRuntime:
     ) -> None:
         self.calls.append(("open", session_id, threading.current_thread().name))
 
-    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> Any:
+    def step(
+        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
+    ) -> Any:
         self.calls.append(("step", session_id, threading.current_thread().name))
         if session_id == "typed":
             raise ModelLoadError("bad weights")
