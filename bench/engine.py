@@ -212,15 +212,8 @@ def llamacpp_phase(args: argparse.Namespace) -> Phase:
     if importlib.util.find_spec("llama_cpp") is None:
         return Phase("llama.cpp", note="not installed (make bench-deps builds it, ~10 min)")
     data = _child(args, "llamacpp")
-    return Phase(
-        "llama.cpp",
-        decode_tok_s=data["decode"],
-        ttft_ms=data["ttft"],
-        prefill_tok_s=data["prefill"],
-        rss_mb=data["rss"],
-        rss_after_prefill_mb=data["rss_after_prefill"],
-        note=f"llama-cpp-python {data['version']}, in-process, same GGUF",
-    )
+    note = f"llama-cpp-python {data['version']}, in-process, same GGUF"
+    return _child_phase("llama.cpp", data, note)
 
 
 def llamacpp_child(args: argparse.Namespace) -> None:
@@ -250,6 +243,18 @@ def llamacpp_child(args: argparse.Namespace) -> None:
     _child_runs(args, run, {"version": llama_cpp.__version__})
 
 
+def _child_phase(name: str, data: dict[str, Any], note: str) -> Phase:
+    return Phase(
+        name,
+        decode_tok_s=data["decode"],
+        ttft_ms=data["ttft"],
+        prefill_tok_s=data["prefill"],
+        rss_mb=data["rss"],
+        rss_after_prefill_mb=data["rss_after_prefill"],
+        note=note,
+    )
+
+
 def _child(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", kind, "--cache-dir", str(args.cache_dir)]
     cmd += ["--runs", str(args.runs), "--threads", str(args.threads)]
@@ -277,16 +282,7 @@ def _child_runs(args: argparse.Namespace, run: Any, extra: dict[str, Any]) -> No
 
 def transformers_phase(args: argparse.Namespace) -> Phase:
     """Run in a child process: its peak RSS is then the transformers run's alone."""
-    data = _child(args, "transformers")
-    return Phase(
-        "transformers-fp32",
-        decode_tok_s=data["decode"],
-        ttft_ms=data["ttft"],
-        prefill_tok_s=data["prefill"],
-        rss_mb=data["rss"],
-        rss_after_prefill_mb=data["rss_after_prefill"],
-        note="generate(), float32",
-    )
+    return _child_phase("transformers-fp32", _child(args, "transformers"), "generate(), float32")
 
 
 def transformers_child(args: argparse.Namespace) -> None:
