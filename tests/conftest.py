@@ -21,6 +21,16 @@ import pytest
 
 from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
 
+# Tiny random transformers configs of every family (the engine and the exact-path tests).
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+}
 READY = re.compile(r"swarmd: serving (\S+) .* at (http://\S+)/v1")
 
 

@@ -92,23 +92,6 @@ def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -
     return Dense(stored, None if bias is None else bias.to(stored.dtype), stored_format(stored))
 
 
-def _cat(parts: Sequence[Stored]) -> Stored:
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    if isinstance(first, quant.Int4):
-        p4 = [p for p in parts if isinstance(p, quant.Int4)]
-        return quant.Int4(
-            torch.cat([p.values for p in p4]),
-            torch.cat([p.scale for p in p4]),
-            torch.cat([p.zero for p in p4]),
-        )
-    if isinstance(first, quant.Int8):
-        p8 = [p for p in parts if isinstance(p, quant.Int8)]
-        return quant.Int8(torch.cat([p.values for p in p8]), torch.cat([p.scale for p in p8]))
-    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
-
-
 class Projection:
     """Matrices over the same input as few calls as their formats allow.
 
@@ -141,7 +124,7 @@ class Projection:
                         for p, b in zip(chunk, group_bias, strict=True)
                     ]
                 )
-            matrix = make_matrix(_cat(chunk), bias, dtype)
+            matrix = make_matrix(quant.cat_rows(chunk), bias, dtype)
             self.groups.append((matrix, self.sizes[start:end]))
             start = end
 

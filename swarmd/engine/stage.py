@@ -115,9 +115,7 @@ class LeanStage:
         held = self.layers_range
         if layers == held:
             return self
-        if not (held.start <= layers.start and layers.end <= held.end):
-            raise ModelLoadError(f"Layers {layers} are not inside this stage's {held}")
-        lo, hi = layers.start - held.start, layers.end - held.start
+        lo, hi = layers.offsets_in(held)
         last = layers.is_last(self.num_model_layers)
         return LeanStage(
             self.spec,

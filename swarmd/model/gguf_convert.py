@@ -227,7 +227,7 @@ def _convert(plan: _Plan, data: np.ndarray) -> dict[str, torch.Tensor]:
             quant.quantize(_floats(plan, data[i : i + _ROW_CHUNK]), plan.fmt)
             for i in range(0, plan.shape[0], _ROW_CHUNK)
         ]
-        weight = _cat_rows(parts)
+        weight = quant.cat_rows(parts)
         return quant.stored_tensors(plan.name, weight if order is None else weight.rows(order))
     dense = _floats(plan, data)
     if order is not None:
@@ -243,18 +243,6 @@ _DENSE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 def _floats(plan: _Plan, data: np.ndarray) -> torch.Tensor:
     values = dequantize(np.asarray(data), GGMLQuantizationType[plan.qtype])
     return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is read-only
-
-
-def _cat_rows(parts: list[quant.Quantized]) -> quant.Quantized:
-    if len(parts) == 1:
-        return parts[0]
-    if isinstance(parts[0], quant.Int8):
-        return quant.Int8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
-    return quant.Int4(
-        torch.cat([p.values for p in parts]),
-        torch.cat([p.scale for p in parts]),  # type: ignore[union-attr]
-        torch.cat([p.zero for p in parts]),  # type: ignore[union-attr]
-    )
 
 
 def _unpermute_index(rows: int, heads: int) -> torch.Tensor:

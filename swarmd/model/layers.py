@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from swarmd.errors import ConfigError
+from swarmd.errors import ConfigError, ModelLoadError
 
 
 @dataclass(frozen=True, order=True)
@@ -36,6 +36,12 @@ class LayerRange:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+    def offsets_in(self, held: LayerRange) -> tuple[int, int]:
+        """This range as [lo, hi) offsets into `held`; ModelLoadError if not inside it."""
+        if not (held.start <= self.start and self.end <= held.end):
+            raise ModelLoadError(f"Layers {self} are not inside this stage's {held}")
+        return self.start - held.start, self.end - held.start
 
     def is_first(self) -> bool:
         return self.start == 0

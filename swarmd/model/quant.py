@@ -58,6 +58,26 @@ class Int8:
 
 Quantized = Int4 | Int8
 Stored = torch.Tensor | Int4 | Int8  # a matrix as files hold it: floats, or quantized
+
+
+def cat_rows(parts: list[Stored] | tuple[Stored, ...]) -> Stored:
+    """Matrices of one format stacked along their rows (N): row chunks, fused q/k/v."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, Int4):
+        p4 = [p for p in parts if isinstance(p, Int4)]
+        return Int4(
+            torch.cat([p.values for p in p4]),
+            torch.cat([p.scale for p in p4]),
+            torch.cat([p.zero for p in p4]),
+        )
+    if isinstance(first, Int8):
+        p8 = [p for p in parts if isinstance(p, Int8)]
+        return Int8(torch.cat([p.values for p in p8]), torch.cat([p.scale for p in p8]))
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])
+
+
 _DENSE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _DENSE_TAGS = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 
@@ -80,11 +100,7 @@ def quantize_int4(weight: torch.Tensor) -> Int4:
         raise ModelLoadError(f"int4 needs rows of a multiple of {INT4_GROUP} values, not {k}")
     if n > ROW_CHUNK:
         parts = [quantize_int4(weight[i : i + ROW_CHUNK]) for i in range(0, n, ROW_CHUNK)]
-        return Int4(
-            torch.cat([p.values for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]),
-        )
+        return cat_rows(parts)  # type: ignore[return-value]
     groups = weight.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
     low = groups.amin(dim=-1)
     high = groups.amax(dim=-1)
@@ -99,8 +115,7 @@ def quantize_int8(weight: torch.Tensor) -> Int8:
     """Symmetric quantization with one scale per row."""
     if weight.shape[0] > ROW_CHUNK:
         rows = range(0, weight.shape[0], ROW_CHUNK)
-        parts = [quantize_int8(weight[i : i + ROW_CHUNK]) for i in rows]
-        return Int8(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]))
+        return cat_rows([quantize_int8(weight[i : i + ROW_CHUNK]) for i in rows])  # type: ignore[return-value]
     w = weight.float()
     scale = w.abs().amax(dim=1) / 127.0
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -148,18 +163,7 @@ def convert(stored: Stored, fmt: str) -> Stored:
         for i in range(0, rows, ROW_CHUNK):
             out[i : i + ROW_CHUNK] = _floats(stored, i)
         return out
-    parts = [quantize(_floats(stored, i), fmt) for i in range(0, rows, ROW_CHUNK)]
-    if len(parts) == 1:
-        return parts[0]
-    if fmt == "int8":
-        p8 = [p for p in parts if isinstance(p, Int8)]
-        return Int8(torch.cat([p.values for p in p8]), torch.cat([p.scale for p in p8]))
-    p4 = [p for p in parts if isinstance(p, Int4)]
-    return Int4(
-        torch.cat([p.values for p in p4]),
-        torch.cat([p.scale for p in p4]),
-        torch.cat([p.zero for p in p4]),
-    )
+    return cat_rows([quantize(_floats(stored, i), fmt) for i in range(0, rows, ROW_CHUNK)])
 
 
 def _floats(stored: Stored, start: int) -> torch.Tensor:

@@ -78,9 +78,7 @@ class StageModule(nn.Module):
         held = self.layers_range
         if layers == held:
             return self
-        if not (held.start <= layers.start and layers.end <= held.end):
-            raise ModelLoadError(f"Layers {layers} are not inside this stage's {held}")
-        lo, hi = layers.start - held.start, layers.end - held.start
+        lo, hi = layers.offsets_in(held)
         sub = StageModule.__new__(StageModule)
         nn.Module.__init__(sub)
         sub.layers_range = layers

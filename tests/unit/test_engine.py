@@ -16,16 +16,8 @@ from swarmd.engine.load import load_lean_stage
 from swarmd.engine.stage import LeanStage
 from swarmd.errors import ModelLoadError
 from swarmd.model.layers import LayerRange
+from tests.conftest import TINY
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 320,
-    "max_position_embeddings": 256,
-}
 FAMILIES = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "llama-untied-bias": (transformers.LlamaConfig, {"attention_bias": True, "mlp_bias": True}),

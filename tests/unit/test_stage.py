@@ -12,16 +12,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from swarmd.errors import ModelLoadError
 from swarmd.model.layers import LayerRange
 from swarmd.model.stage import StageModule, load_stage
+from tests.conftest import TINY
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 320,
-    "max_position_embeddings": 256,
-}
 FAMILIES = {
     "llama": (transformers.LlamaConfig, {"tie_word_embeddings": True}),
     "mistral": (transformers.MistralConfig, {}),
