@@ -13,6 +13,8 @@ raw libp2p host as `.libp2p` (for the DHT). libp2p's defaults are changed where 
   connections) on its own; swarmd decides whom it talks to.
 - libp2p listens with SO_REUSEPORT, so a second node on the same port "succeeds" and the
   kernel splits incoming connections between the two: a fixed port is checked first.
+- a cancelled write no longer breaks Noise's nonces and with them the whole connection
+  (`noise_writes`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from swarmd.errors import (
     IdentityError,
     SwarmError,
 )
+from swarmd.net import noise_writes
 from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream, Traffic
 from swarmd.net.identity import Identity, public_key_from_peer_id
 
@@ -59,6 +62,8 @@ if TYPE_CHECKING:
 __all__ = ["HostConfig", "P2PHost", "StreamHandler", "open_host"]
 
 log = logging.getLogger(__name__)
+
+noise_writes.apply()  # py-libp2p tears its Noise stream on a cancelled write
 
 StreamHandler = Callable[[FrameStream], Awaitable[None]]
 
