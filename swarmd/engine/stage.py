@@ -1,9 +1,10 @@
 """`LeanStage`: decoder layers [start, end) of a model, run by the engine's own forward.
 
-One forward runs a chunk of tokens of a batch of sequences through the stage: the
-embeddings on the first stage, then each layer, then on the last stage the final norm and
-the head for each row's last position. Shapes carry the batch dimension ([B, T, H]) so
-sessions can share a forward; today B is 1.
+One forward runs a chunk of tokens of each of several sequences through the stage (decode
+steps and prompt chunks of different sessions together): the embeddings on the first
+stage, then each layer, then on the last stage the final norm and the head for each row's
+last position. The matrices see all rows' tokens at once; attention runs per row over its
+own cache, with its own positions, so no row is padded to another's length.
 
 Per layer (Llama family): RMSNorm -> one fused q/k/v matmul -> (Qwen3: q/k norms) ->
 rotary from a table on q and k together -> K/V written into the session's buffer ->
@@ -28,6 +29,7 @@ from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
 from swarmd.errors import InternalError, ModelLoadError
 from swarmd.model.layers import LayerRange
+from swarmd.model.rows import Row
 
 ACT = torch.float32  # the residual stream, norms, attention and the KV cache
 
@@ -136,44 +138,90 @@ class LeanStage:
         alone: bool = False,
         all_positions: bool = False,
     ) -> torch.Tensor:
-        """Run one chunk of tokens through this stage.
+        """Run one chunk of one sequence through this stage (`forward_many` of one row).
 
-        inputs: [B, T] token ids on the first stage, else [B, T, H] hidden states.
-        Returns [B, T, H] float32 hidden states, or on the last stage [B, V] float32
-        logits of the chunk's final position ([B, T, V] with `all_positions`, for scoring
+        inputs: [1, T] token ids on the first stage, else [1, T, H] hidden states.
+        Returns [1, T, H] float32 hidden states, or on the last stage [1, V] float32
+        logits of the chunk's final position ([1, T, V] with `all_positions`, for scoring
         a text).
-
-        `alone`: each position attends as a one-token step would. Attention over a chunk of
-        queries rounds differently from one query at a time (SDPA's kernels block the work
-        differently), and every other op here gives a row the same bits whatever the
-        chunk; so a chunk run `alone` is bit for bit the one-token steps it replays.
         """
+        if int(inputs.shape[0]) != 1:
+            raise InternalError("forward() takes one sequence; forward_many() takes several")
+        return self.forward_many([Row(inputs, cache, alone)], all_positions)[0]
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def forward_many(self, rows: list[Row], all_positions: bool = False) -> list[torch.Tensor]:
+        """Run a chunk of each of several sequences (each with its own cache) as one forward.
+
+        The matrices see every row's tokens at once ([M, H], M the sum of the chunks);
+        attention runs per row over that row's own cache, exactly as it would alone. The
+        quantized and bf16 kernels give each row of a matmul the same bits whatever the
+        other rows (measured), so a batched row is bit for bit the row run alone.
+
+        `alone` (per row): each position attends as a one-token step would. Attention over
+        a chunk of queries rounds differently from one query at a time (SDPA's kernels block
+        the work differently), and every other op here gives a row the same bits whatever
+        the chunk; so a chunk run `alone` is bit for bit the one-token steps it replays.
+        """
+        parts = [self._begin(row) for row in rows]
+        offset = 0
+        for part in parts:
+            part.offset, offset = offset, offset + part.count
+        x = torch.cat([p.hidden for p in parts]) if len(parts) > 1 else parts[0].hidden
+        # Every row one token (steady decoding): the rotary rows of all of them at once.
+        decodes = None
+        if len(parts) > 1 and all(p.count == 1 for p in parts):
+            positions = torch.tensor([p.start for p in parts])
+            decodes = {
+                kind: (
+                    table.cos[positions, None, None, :],
+                    table.sin_signed[positions, None, None, :],
+                )
+                for kind, table in self.ropes.items()
+            }  # [B, 1, 1, D] each
+        for index, block in enumerate(self.blocks):
+            x = self._layer(block, index, x, parts, decodes)
+        for part in parts:
+            part.cache.length = part.start + part.count
+        if self.head is None or self.norm is None:
+            return [x[p.offset : p.offset + p.count].view(1, p.count, -1) for p in parts]
+        if all_positions:
+            if len(parts) != 1:
+                raise InternalError("all_positions scores one sequence")
+            return [self._logits(x).view(1, parts[0].count, -1)]
+        last = [p.offset + p.count - 1 for p in parts]
+        rows_x = x[last[0] : last[0] + 1] if len(last) == 1 else x[torch.tensor(last)]
+        logits = self._logits(rows_x.contiguous())  # [B, V]
+        return [logits[i : i + 1] for i in range(len(parts))]
+
+    def _logits(self, rows: torch.Tensor) -> torch.Tensor:
+        assert self.head is not None and self.norm is not None
+        logits = self.head(self._rms(rows, self.norm).to(self.dtype)).float()
+        cap = self.spec.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _begin(self, row: Row) -> _Part:
+        inputs, cache = row.inputs, row.cache
         if self.embed is not None:
             hidden = self.embed(inputs)
         else:
             hidden = inputs if inputs.dtype == ACT else inputs.to(ACT)
-        batch, count = int(hidden.shape[0]), int(hidden.shape[1])
+        count = int(hidden.shape[1])
         start = cache.length
         end = start + count
         if end > cache.max_length:
             raise InternalError(f"{end} positions exceed the cache's {cache.max_length}")
         cache.reserve(end)
-        step = _Step(self.spec, self.ropes, start, count)
-        x = hidden.reshape(batch * count, self.hidden_size)  # [M, H], M = B * T
-        for index, block in enumerate(self.blocks):
-            x = self._layer(block, index, x, batch, count, cache, step, alone)
-        cache.length = end
-        if self.head is None or self.norm is None:
-            return x.view(batch, count, self.hidden_size)
-        rows = x if all_positions else x.view(batch, count, self.hidden_size)[:, -1, :]
-        normed = self._rms(rows.contiguous(), self.norm).to(self.dtype)  # [B or M, H]
-        logits = self.head(normed).float()  # [B, V] or [M, V]
-        if all_positions:
-            logits = logits.view(batch, count, -1)
-        cap = self.spec.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    __call__ = forward
+        return _Part(
+            hidden.reshape(count, self.hidden_size),
+            cache,
+            start,
+            count,
+            _Step(self.spec, self.ropes, start, count),
+            row.alone,
+        )
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.spec.eps)
@@ -182,55 +230,133 @@ class LeanStage:
         self,
         block: LayerWeights,
         index: int,
-        x: torch.Tensor,  # [M, H] float32, the residual stream
-        batch: int,
-        count: int,
-        cache: KVCache,
-        step: _Step,
-        alone: bool,
+        x: torch.Tensor,  # [M, H] float32, the residual stream of every row
+        parts: list[_Part],
+        decodes: dict[str, tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
-        spec = self.spec
-        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
         mm = self.dtype  # what the matrix kernels read
         h = self._rms(x, block.attn_norm).to(mm)
-        cos, sin = step.rope[block.kind]
         fused = block.qkv.fused(h, ACT) if block.q_norm is None else None
         if fused is not None:
-            # q and k side by side: one rotary pass over both.
-            qk = fused[:, : self._q_size + self._kv_size].view(
-                batch, count, heads + kv_heads, head_dim
-            )
+            q_all = k_all = v_all = fused
+        else:
+            q_all, k_all, v_all = block.qkv(h, ACT)
+        if len(parts) > 1 and decodes is not None:
+            attn = self._attend_decodes(block, index, parts, decodes, fused, q_all, k_all, v_all)
+        else:
+            outs = [self._attend(block, index, p, fused, q_all, k_all, v_all) for p in parts]
+            attn = torch.cat(outs) if len(outs) > 1 else outs[0]
+        out = block.o.single(attn.to(mm))  # [M, H]
+        if block.post_attn_norm is not None:
+            out = self._rms(out.to(ACT), block.post_attn_norm)
+        x = x + out
+        gate, up = block.gate_up(self._rms(x, block.mlp_norm).to(mm))  # [M, I] x2
+        spec = self.spec
+        act = F.silu(gate) if spec.activation == "silu" else F.gelu(gate, approximate="tanh")
+        down = block.down.single(act * up)
+        if block.post_mlp_norm is not None:
+            down = self._rms(down.to(ACT), block.post_mlp_norm)
+        return x + down
+
+    def _attend_decodes(
+        self,
+        block: LayerWeights,
+        index: int,
+        parts: list[_Part],
+        rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        fused: torch.Tensor | None,
+        q_all: torch.Tensor,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of B one-token rows, each over its own cache: [B, heads * D].
+
+        The same ops as `_attend` on each row (elementwise rotary, one SDPA per row), so
+        the same bits; only the rotary runs over all rows at once."""
+        spec = self.spec
+        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        batch = len(parts)
+        cos, sin = rope[block.kind]
+        if fused is not None:
+            qk = fused[:, : self._q_size + self._kv_size].view(batch, 1, heads + kv_heads, head_dim)
             qk = _rotate(qk, cos, sin)
             q, k = qk[:, :, :heads], qk[:, :, heads:]
             v = fused[:, self._q_size + self._kv_size :]
         else:
-            q, k, v = block.qkv(h, ACT)
-            q = q.view(batch, count, heads, head_dim)
-            k = k.view(batch, count, kv_heads, head_dim)
+            q = q_all.view(batch, 1, heads, head_dim)
+            k = k_all.view(batch, 1, kv_heads, head_dim)
+            v = v_all
             if block.q_norm is not None and block.k_norm is not None:
                 q = self._rms(q, block.q_norm)
                 k = self._rms(k, block.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q = q.transpose(1, 2)  # [B, heads, T, D]
-        k = k.transpose(1, 2)  # [B, kv, T, D]
-        v = v.reshape(batch, count, kv_heads, head_dim).transpose(1, 2)
-        first, mask = step.masks(block.kind)
-        keys, values = cache.write_and_read(index, k, v, step.start, first)  # [B, kv, L, D]
+        q = q.transpose(1, 2)  # [B, heads, 1, D]
+        k = k.transpose(1, 2)  # [B, kv, 1, D]
+        v = v.reshape(batch, 1, kv_heads, head_dim).transpose(1, 2)
         gqa = heads != kv_heads
-        if alone and count > 1:
-            rows = []
+        outs = []
+        for i, part in enumerate(parts):
+            first, _ = part.step.masks(block.kind)
+            keys, values = part.cache.write_and_read(
+                index, k[i : i + 1], v[i : i + 1], part.start, first
+            )
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[i : i + 1], keys, values, scale=spec.attn_scale, enable_gqa=gqa
+                )
+            )
+        return torch.cat(outs).view(batch, heads * head_dim)
+
+    def _attend(
+        self,
+        block: LayerWeights,
+        index: int,
+        part: _Part,
+        fused: torch.Tensor | None,
+        q_all: torch.Tensor,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+    ) -> torch.Tensor:
+        """One row's attention over its own cache: [T, heads * D]."""
+        spec = self.spec
+        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        lo, count, step = part.offset, part.count, part.step
+        cos, sin = step.rope[block.kind]
+        if fused is not None:
+            rows = fused[lo : lo + count]
+            # q and k side by side: one rotary pass over both.
+            qk = rows[:, : self._q_size + self._kv_size].view(1, count, heads + kv_heads, head_dim)
+            qk = _rotate(qk, cos, sin)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+            v = rows[:, self._q_size + self._kv_size :]
+        else:
+            q = q_all[lo : lo + count].view(1, count, heads, head_dim)
+            k = k_all[lo : lo + count].view(1, count, kv_heads, head_dim)
+            v = v_all[lo : lo + count]
+            if block.q_norm is not None and block.k_norm is not None:
+                q = self._rms(q, block.q_norm)
+                k = self._rms(k, block.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q = q.transpose(1, 2)  # [1, heads, T, D]
+        k = k.transpose(1, 2)  # [1, kv, T, D]
+        v = v.reshape(1, count, kv_heads, head_dim).transpose(1, 2)
+        first, mask = step.masks(block.kind)
+        keys, values = part.cache.write_and_read(index, k, v, step.start, first)  # [1, kv, L, D]
+        gqa = heads != kv_heads
+        if part.alone and count > 1:
+            outs = []
             for t in range(count):  # as the one-token step at position start + t attended
-                lo, hi = step.window_of(block.kind, step.start + t)
-                rows.append(
+                a, b = step.window_of(block.kind, step.start + t)
+                outs.append(
                     F.scaled_dot_product_attention(
                         q[:, :, t : t + 1],
-                        keys[:, :, lo - first : hi - first],
-                        values[:, :, lo - first : hi - first],
+                        keys[:, :, a - first : b - first],
+                        values[:, :, a - first : b - first],
                         scale=spec.attn_scale,
                         enable_gqa=gqa,
                     )
                 )
-            attn = torch.cat(rows, dim=2)  # [B, heads, T, D]
+            attn = torch.cat(outs, dim=2)  # [1, heads, T, D]
         else:
             attn = F.scaled_dot_product_attention(
                 q,
@@ -240,18 +366,21 @@ class LeanStage:
                 is_causal=mask is None and count > 1,
                 scale=spec.attn_scale,
                 enable_gqa=gqa,
-            )  # [B, heads, T, D]
-        attn = attn.transpose(1, 2).reshape(batch * count, heads * head_dim).to(mm)
-        out = block.o.single(attn)  # [M, H]
-        if block.post_attn_norm is not None:
-            out = self._rms(out.to(ACT), block.post_attn_norm)
-        x = x + out
-        gate, up = block.gate_up(self._rms(x, block.mlp_norm).to(mm))  # [M, I] x2
-        act = F.silu(gate) if spec.activation == "silu" else F.gelu(gate, approximate="tanh")
-        down = block.down.single(act * up)
-        if block.post_mlp_norm is not None:
-            down = self._rms(down.to(ACT), block.post_mlp_norm)
-        return x + down
+            )  # [1, heads, T, D]
+        return attn.transpose(1, 2).reshape(count, heads * head_dim)
+
+
+@dataclass
+class _Part:
+    """A row inside one forward: where its tokens sit in [M, H] and its positions."""
+
+    hidden: torch.Tensor  # [T, H] float32, before the first layer
+    cache: KVCache
+    start: int  # its first position
+    count: int
+    step: _Step
+    alone: bool
+    offset: int = 0  # its first row in [M, H]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

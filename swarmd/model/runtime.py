@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
-from swarmd.errors import ContextLengthError, InternalError, OverloadedError
+from swarmd.errors import ContextLengthError, InternalError, OverloadedError, SwarmError
 from swarmd.model.layers import LayerRange
+from swarmd.model.rows import Row
 from swarmd.model.sampling import Sampler, SamplingParams
 
 
@@ -41,6 +42,10 @@ class Stage(Protocol):
 
     def __call__(self, inputs: torch.Tensor, cache: Any, alone: bool = False) -> torch.Tensor:
         """`alone`: attend each position of the chunk as a one-token step would."""
+        ...
+
+    def forward_many(self, rows: list[Row]) -> list[torch.Tensor]:
+        """A chunk of each of several sequences; one output per row, as `__call__` gives."""
         ...
 
 
@@ -74,6 +79,14 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class StepRequest:
+    session_id: str
+    inputs: torch.Tensor  # [1, T] ids (first stage) or [1, T, H] hidden states
+    want_token: bool
+    alone: bool = False
+
+
+@dataclass(frozen=True)
 class StepResult:
     hidden: torch.Tensor | None  # [1, T, H] for the next stage, when this is not the last
     token: int | None  # the sampled token, when the last stage was asked for one
@@ -93,6 +106,9 @@ class StageRuntime:
         self.max_sessions = max_sessions
         self._sessions: dict[str, StageSession] = {}
         self._views: dict[LayerRange, Stage] = {}
+        self.batches = 0  # forwards run
+        self.batched_rows = 0  # session steps they ran
+        self.last_batch = 0  # rows in the latest forward
 
     @property
     def session_count(self) -> int:
@@ -143,27 +159,63 @@ class StageRuntime:
 
         `alone`: each position attends as a one-token step would (a replay of reply
         tokens after a failover gets the very numbers their decode steps had)."""
-        session = self._get(session_id)
-        count = int(inputs.shape[1])
-        if session.length + count > session.max_length:
-            raise ContextLengthError(
-                f"Session {session_id} would hold {session.length + count} tokens, over its "
-                f"limit of {session.max_length}"
-            )
+        outcome = self.step_many([StepRequest(session_id, inputs, want_token, alone)])[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def step_many(self, requests: list[StepRequest]) -> list[StepResult | SwarmError]:
+        """Run a chunk of each of several sessions, batched where the stage allows.
+
+        Sessions over the same layers share one forward (the engine's `forward_many`);
+        each request gets its result, or its own error (a session that is not open, or a
+        chunk past its length) without failing the others.
+        """
+        outcomes: list[StepResult | SwarmError | None] = [None] * len(requests)
+        groups: dict[int, list[tuple[int, StageSession, StepRequest]]] = {}
+        for i, req in enumerate(requests):
+            try:
+                session = self._get(req.session_id)
+                count = int(req.inputs.shape[1])
+                if session.length + count > session.max_length:
+                    raise ContextLengthError(
+                        f"Session {req.session_id} would hold {session.length + count} "
+                        f"tokens, over its limit of {session.max_length}"
+                    )
+                if session.module.is_last and req.want_token and session.sampler is None:
+                    raise InternalError(f"Session {req.session_id} has no sampling parameters")
+            except SwarmError as exc:
+                outcomes[i] = exc
+                continue
+            groups.setdefault(id(session.module), []).append((i, session, req))
+        for group in groups.values():
+            for i, result in self._run_group(group):
+                outcomes[i] = result
+        return [o if o is not None else InternalError("step not run") for o in outcomes]
+
+    def _run_group(
+        self, group: list[tuple[int, StageSession, StepRequest]]
+    ) -> list[tuple[int, StepResult]]:
+        module = group[0][1].module
         started = time.perf_counter()
-        module = session.module
-        out = module(inputs, session.cache, alone)
-        session.length += count  # the cache holds them now, whatever sampling does
-        token = None
-        if module.is_last and want_token:
-            if session.sampler is None:
-                raise InternalError(f"Session {session_id} has no sampling parameters")
-            token = session.sampler.sample(out[0])
+        outs = module.forward_many([Row(req.inputs, s.cache, req.alone) for _, s, req in group])
+        results = []
+        for (i, session, req), out in zip(group, outs, strict=True):
+            session.length += int(req.inputs.shape[1])  # the cache holds them now
+            token = None
+            if module.is_last and req.want_token and session.sampler is not None:
+                token = session.sampler.sample(out[0])
+            results.append((i, session, req, out, token))
         elapsed = time.perf_counter() - started
         if self._on_step is not None:
             self._on_step(elapsed)
-        hidden = None if module.is_last else out
-        return StepResult(hidden, token, elapsed)
+        self.batches += 1
+        self.batched_rows += len(group)
+        self.last_batch = len(group)
+        return [
+            (i, StepResult(None if module.is_last else out, token, elapsed))
+            for i, _, _, out, token in results
+        ]
 
     def warm_up(self) -> None:
         """A trial forward on the worker thread, outside any session: the first request

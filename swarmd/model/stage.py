@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from swarmd.errors import ModelLoadError
 from swarmd.model.families import family_for
 from swarmd.model.layers import LayerRange
+from swarmd.model.rows import Row
 from swarmd.model.tensorfile import tensor_files
 
 
@@ -140,6 +141,12 @@ class StageModule(nn.Module):
         # logits are bit-identical to a plain transformers run.
         last = self.norm(hidden[:, -1:, :])
         return self.lm_head(last)[:, -1, :].float()  # [1, V]
+
+    def forward_many(self, rows: list[Row]) -> list[torch.Tensor]:
+        """One sequence at a time: this backend is the exact reference, and float32
+        matmuls over several rows round differently from one row's (measured), so it
+        does not batch."""
+        return [self(row.inputs, row.cache, row.alone) for row in rows]
 
 
 _MASK_BUILDERS = {

@@ -19,6 +19,8 @@ import contextlib
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,7 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from swarmd.errors import InternalError, StepTimeoutError, SwarmError
+from swarmd.model.batching import Gatherer
 from swarmd.model.layers import LayerRange
+from swarmd.model.runtime import StepRequest
 from swarmd.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -71,9 +75,7 @@ class Runtime(Protocol):
         layers: LayerRange | None = None,
     ) -> None: ...
 
-    def step(
-        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
-    ) -> Any: ...
+    def step_many(self, requests: list[StepRequest]) -> list[Any]: ...
 
     def close(self, session_id: str) -> None: ...
 
@@ -92,6 +94,7 @@ class Ticket:
         self.state = _QUEUED
         self.result: Any = None
         self.error: BaseException | None = None
+        self.submitted_at = time.monotonic()
 
     @property
     def started(self) -> bool:
@@ -133,11 +136,26 @@ class Ticket:
             self._wake()
 
 
+BATCH_TOKENS = 512  # tokens of one forward: decode rows plus prompt chunks
+GATHER_MAX_S = 0.005  # the longest a forward waits for a session that comes back quickly
+
+
 class TorchWorker:
-    def __init__(self, runtime: Runtime, threads: int = 0, name: str = "swarmd-torch") -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        threads: int = 0,
+        name: str = "swarmd-torch",
+        batch_tokens: int = BATCH_TOKENS,
+        gather_max_s: float = GATHER_MAX_S,
+    ) -> None:
         self.runtime = runtime
         self._threads = threads
         self._queue: queue.SimpleQueue[Ticket | None] = queue.SimpleQueue()
+        self._pending: deque[Ticket] = deque()  # taken from the queue, not run yet
+        self._stopping = False
+        self._batch_tokens = batch_tokens
+        self._gatherer = Gatherer(gather_max_s)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = False
         self._exited = threading.Event()
@@ -199,7 +217,10 @@ class TorchWorker:
                 self.runtime.warm_up()  # jobs queued meanwhile wait for it
             except Exception:  # a stage that cannot run says so on its first real step
                 log.exception("warming up the stage failed")
-            while (ticket := self._queue.get()) is not None:
+            while (ticket := self._next()) is not None:
+                if isinstance(ticket.job, StepJob):
+                    self._run_steps(self._gather(ticket))
+                    continue
                 if not ticket._begin():
                     continue
                 result: Any = None
@@ -216,20 +237,119 @@ class TorchWorker:
             self._running = False
             # A job queued after the stop (a submit racing `shutdown`) is failed, not left
             # to a waiter that would wait for it forever.
-            while True:
-                try:
-                    late = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if late is not None and late._begin():
+            self._drain()
+            for late in self._pending:
+                if late._begin():
                     late._end(None, InternalError("The torch worker stopped"))
             self._exited.set()
 
+    # --- the queue, and batches of steps ---------------------------------------------
+
+    def _next(self) -> Ticket | None:
+        """The oldest job not taken yet (blocking); None once the worker is to stop."""
+        while True:
+            if self._pending:
+                return self._pending.popleft()
+            if self._stopping:
+                return None
+            item = self._queue.get()
+            if item is None:
+                return None
+            self._pending.append(item)
+
+    def _drain(self, timeout_s: float = 0.0) -> bool:
+        """Move what is queued into `_pending` (waiting up to `timeout_s` for the first)."""
+        got = False
+        while not self._stopping:
+            try:
+                item = self._queue.get(block=timeout_s > 0, timeout=timeout_s or None)
+            except queue.Empty:
+                break
+            timeout_s = 0.0
+            if item is None:
+                self._stopping = True  # after what is pending
+                break
+            self._pending.append(item)
+            got = True
+        return got
+
+    def _gather(self, first: Ticket) -> list[Ticket]:
+        """`first` and the queued steps of other sessions that fit the token budget.
+
+        Jobs stay in order per session: once a session has a job left behind (a close, or
+        a second step), none of its later jobs joins this forward.
+        """
+        batch = [first]
+        present = {_sid(first)}
+        tokens = _tokens(first)
+        blocked: set[str] = set()
+        until: float | None = None
+        self._drain()
+        while True:
+            kept: deque[Ticket] = deque()
+            for ticket in self._pending:
+                sid = _sid(ticket)
+                if not isinstance(ticket.job, StepJob) or sid in present or sid in blocked:
+                    kept.append(ticket)
+                    blocked.add(sid)
+                    continue
+                if ticket.finished:  # skipped: its caller left
+                    continue
+                if tokens + _tokens(ticket) > self._batch_tokens:
+                    kept.append(ticket)
+                    blocked.add(sid)
+                    continue
+                batch.append(ticket)
+                present.add(sid)
+                tokens += _tokens(ticket)
+            self._pending = kept
+            if until is None:
+                until = self._gatherer.wait_until(present)
+            left = until - time.monotonic()
+            if left <= 0 or tokens >= self._batch_tokens or not self._drain(left):
+                return batch
+
+    def _run_steps(self, batch: list[Ticket]) -> None:
+        tickets = [t for t in batch if t._begin()]
+        if not tickets:
+            return
+        for t in tickets:
+            self._gatherer.arrived(_sid(t), t.submitted_at)
+        requests = []
+        for t in tickets:
+            job = t.job
+            assert isinstance(job, StepJob)
+            requests.append(StepRequest(job.session_id, job.inputs, job.want_token, job.alone))
+        outcomes: list[Any]
+        try:
+            outcomes = self.runtime.step_many(requests)
+        except SwarmError as exc:
+            outcomes = [exc] * len(tickets)
+        except Exception as exc:  # a torch failure must reach every caller, typed
+            log.exception("model step failed")
+            error = InternalError(f"Model step failed: {type(exc).__name__}: {exc}")
+            outcomes = [error] * len(tickets)
+        self._gatherer.ended(_sid(t) for t in tickets)
+        for ticket, outcome in zip(tickets, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                ticket._end(None, outcome)
+            else:
+                ticket._end(outcome, None)
+
     def _execute(self, job: Job) -> Any:
-        if isinstance(job, StepJob):
-            return self.runtime.step(job.session_id, job.inputs, job.want_token, job.alone)
+        if isinstance(job, CloseJob):
+            self._gatherer.forget(job.session_id)
         if isinstance(job, OpenJob):
             return self.runtime.open(
                 job.session_id, job.max_length, job.sampling, list(job.history), job.layers
             )
         return self.runtime.close(job.session_id)
+
+
+def _sid(ticket: Ticket) -> str:
+    return ticket.job.session_id
+
+
+def _tokens(ticket: Ticket) -> int:
+    job = ticket.job
+    return int(job.inputs.shape[1]) if isinstance(job, StepJob) else 0

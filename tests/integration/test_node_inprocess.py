@@ -74,13 +74,13 @@ async def test_a_full_node_answers_503_with_retry_after(
 ) -> None:
     node = await make_node(max_sessions=1, queue_timeout_s=0.2)
     release = threading.Event()
-    real_step = node.runtime.step
+    real_step = node.runtime.step_many
 
     def held_step(*args: Any, **kwargs: Any) -> Any:
         release.wait(timeout=30)  # holds the only slot until the test lets go
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(node.runtime, "step", held_step)
+    monkeypatch.setattr(node.runtime, "step_many", held_step)
     async with aiohttp.ClientSession() as http:
         url = f"{node.api_url}/v1/chat/completions"
         first = asyncio.create_task(http.post(url, json=body(max_tokens=3)))
@@ -108,7 +108,7 @@ async def test_failure_mid_stream_sends_one_error_event_then_done(
     make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     node = await make_node()
-    real_step = node.runtime.step
+    real_step = node.runtime.step_many
     calls = 0
 
     def failing_step(*args: Any, **kwargs: Any) -> Any:
@@ -118,7 +118,7 @@ async def test_failure_mid_stream_sends_one_error_event_then_done(
             raise InternalError("the stage broke")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(node.runtime, "step", failing_step)
+    monkeypatch.setattr(node.runtime, "step_many", failing_step)
     caplog.set_level(logging.INFO, logger="swarmd.requests")
     async with aiohttp.ClientSession() as http:
         response = await http.post(
@@ -242,7 +242,7 @@ async def test_leaving_during_prefill_stops_the_prefill(
     make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = await make_node(prefill_chunk_tokens=1)
-    real_step = node.runtime.step
+    real_step = node.runtime.step_many
     steps = 0
 
     def slow_step(*args: Any, **kwargs: Any) -> Any:
@@ -251,7 +251,7 @@ async def test_leaving_during_prefill_stops_the_prefill(
         time.sleep(0.01)
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(node.runtime, "step", slow_step)
+    monkeypatch.setattr(node.runtime, "step_many", slow_step)
     long_prompt = "hello " * 300  # 300 one-token prefill steps of 10 ms at least
     payload = body(messages=[{"role": "user", "content": long_prompt}], stream=True)
     await _disconnect_when(node.api_url, payload, lambda: steps > 0)

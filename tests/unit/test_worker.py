@@ -12,8 +12,10 @@ import pytest
 import torch
 import trio
 
-from swarmd.errors import InternalError, ModelLoadError, StepTimeoutError
+from swarmd.errors import InternalError, ModelLoadError, StepTimeoutError, SwarmError
+from swarmd.model.batching import Gatherer
 from swarmd.model.layers import LayerRange
+from swarmd.model.runtime import StepRequest
 from swarmd.model.sampling import SamplingParams
 from swarmd.model.worker import CloseJob, OpenJob, StepJob, TorchWorker
 from swarmd.model.worker_trio import run_job
@@ -24,6 +26,7 @@ class FakeRuntime:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, str, str]] = []
+        self.batches: list[list[str]] = []
 
     def warm_up(self) -> None:
         self.calls.append(("warm_up", "", threading.current_thread().name))
@@ -49,6 +52,17 @@ class FakeRuntime:
         if session_id.startswith("slow"):
             time.sleep(0.3)
         return int(inputs.sum())
+
+    def step_many(self, requests: list[StepRequest]) -> list[Any]:
+        """Each request's own error stays its own; an untyped one fails the batch."""
+        self.batches.append([r.session_id for r in requests])
+        outcomes: list[Any] = []
+        for r in requests:
+            try:
+                outcomes.append(self.step(r.session_id, r.inputs, r.want_token, r.alone))
+            except SwarmError as exc:
+                outcomes.append(exc)
+        return outcomes
 
     def close(self, session_id: str) -> None:
         self.calls.append(("close", session_id, threading.current_thread().name))
@@ -116,8 +130,9 @@ async def test_a_queued_job_whose_caller_left_is_skipped_but_a_close_runs(
 
 async def test_the_step_timeout_does_not_count_time_in_the_queue(worker: TorchWorker) -> None:
     busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
-    await asyncio.sleep(0)  # the busy job is queued first
-    assert await worker.run(step("quick", 2), 0.2) == 2  # waited 0.3 s in the queue
+    await asyncio.sleep(0.05)  # the busy job is running (a step queued with it would share
+    # its forward, and its time)
+    assert await worker.run(step("quick", 2), 0.2) == 2  # waited 0.25 s in the queue
     await busy
 
 
@@ -147,3 +162,69 @@ def test_trio_awaits_jobs_without_asyncio() -> None:
         assert ("close", "t0", "swarmd-torch") in runtime.calls
     finally:
         asyncio.run(worker.stop())
+
+
+# --- batches --------------------------------------------------------------------------
+
+
+async def test_steps_queued_together_run_as_one_batch_in_session_order(
+    worker: TorchWorker,
+) -> None:
+    busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+    await asyncio.sleep(0.05)  # the busy step is running: the rest queue behind it
+    jobs = [step("a", 1), step("b", 2), step("a", 3), CloseJob("b"), step("b", 4), step("c", 5)]
+    tasks = [asyncio.create_task(worker.run(job, 5)) for job in jobs]
+    await asyncio.sleep(0)
+    await busy
+    results = await asyncio.gather(*tasks)
+    assert results[:3] == [1, 2, 3] and results[4:] == [4, 5]
+    batches = worker.runtime.batches  # type: ignore[attr-defined]
+    # a's second step and b's step after its close wait for later forwards; c joins.
+    assert batches[-3:] == [["a", "b", "c"], ["a"], ["b"]]
+    calls = [c[:2] for c in worker.runtime.calls]  # type: ignore[attr-defined]
+    assert calls[-4:] == [("step", "c"), ("step", "a"), ("close", "b"), ("step", "b")]
+
+
+async def test_a_batch_keeps_to_its_token_budget() -> None:
+    worker = TorchWorker(FakeRuntime(), batch_tokens=4)
+    worker.start()
+    try:
+        busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+        await asyncio.sleep(0.05)
+        chunks = [StepJob(f"s{i}", torch.ones(1, 3, dtype=torch.long), True) for i in range(3)]
+        tasks = [asyncio.create_task(worker.run(job, 5)) for job in chunks]
+        tasks.append(asyncio.create_task(worker.run(step("d"), 5)))
+        await busy
+        assert await asyncio.gather(*tasks) == [3, 3, 3, 1]
+        batches = worker.runtime.batches[1:]  # type: ignore[attr-defined]
+        assert batches == [["s0", "d"], ["s1"], ["s2"]]  # 3 + 1 tokens, then 3 and 3
+    finally:
+        await worker.stop()
+
+
+async def test_an_error_of_one_row_leaves_the_others_of_its_batch(worker: TorchWorker) -> None:
+    busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+    await asyncio.sleep(0.05)
+    good = asyncio.create_task(worker.run(step("good", 9), 5))
+    bad = asyncio.create_task(worker.run(step("typed"), 5))
+    await busy
+    assert await good == 9
+    with pytest.raises(ModelLoadError):
+        await bad
+    assert worker.runtime.batches[-1] == ["good", "typed"]  # type: ignore[attr-defined]
+
+
+def test_the_gatherer_waits_only_for_sessions_that_come_back_quickly() -> None:
+    now = [100.0]
+    gatherer = Gatherer(0.005, clock=lambda: now[0])
+    gatherer.ended(["quick", "slow"])
+    gatherer.arrived("quick", 100.001)  # back 1 ms after its step ended
+    gatherer.arrived("slow", 100.050)  # a ring: 50 ms
+    now[0] = 100.060
+    gatherer.ended(["quick", "slow"])
+    assert gatherer.wait_until({"slow"}) == pytest.approx(100.060 + 1.5 * 0.001 + 0.0005)
+    assert gatherer.wait_until({"quick"}) == 100.060  # nobody to wait for
+    gatherer.forget("quick")
+    assert gatherer.wait_until(set()) == 100.060
+    gatherer.ended(["new"])  # no gap known yet: not waited for
+    assert gatherer.wait_until(set()) == 100.060

@@ -1,0 +1,20 @@
+"""`Row`: one sequence's chunk in a stage forward, the unit both backends batch over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Row:
+    """[1, T] token ids (first stage) or [1, T, H] hidden states, with that sequence's cache.
+
+    `alone`: each position attends as a one-token step would (exact failover replays).
+    """
+
+    inputs: torch.Tensor
+    cache: Any
+    alone: bool = False
