@@ -324,6 +324,7 @@ def bench_record(node: SwarmNode, start: int, end: int) -> NodeRecord:
         dtype="float16",
         weights="fp32",
         free_kv_tokens=4096,
+        kv_budget_tokens=4096,
         throughput_tps=10.0,
         state="ready",
         addrs=tuple(node.host.addrs),

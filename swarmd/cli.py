@@ -72,6 +72,13 @@ def run(
         typer.Option(help="What matrix kernels compute in: bfloat16, float16, float32 or auto."),
     ] = None,
     torch_threads: Annotated[int | None, typer.Option(help="0 = one per physical core.")] = None,
+    max_sessions: Annotated[
+        int | None, typer.Option(help="Sessions in flight on this node (batched together).")
+    ] = None,
+    kv_budget_tokens: Annotated[
+        int | None,
+        typer.Option(help="KV cache tokens this node holds (0 = half the memory left free)."),
+    ] = None,
     layers: Annotated[
         str | None,
         typer.Option(help="Serve only layers START:END, e.g. 0:15; auto: what the swarm lacks."),
@@ -108,6 +115,8 @@ def run(
         "weights": weights,
         "dtype": dtype,
         "torch_threads": torch_threads,
+        "max_sessions": max_sessions,
+        "kv_budget_tokens": kv_budget_tokens,
         "layers": layers,
         "memory_budget_gb": memory_budget,
         "upload_limit_mb_s": upload_limit,

@@ -52,8 +52,10 @@ class Config:
     dtype: str = "auto"  # matrix kernels compute in float32 | float16 | bfloat16; auto: by weights
     torch_threads: int = 0  # 0 = one per physical core
     prefill_chunk_tokens: int = 256  # prompt tokens per forward step
-    max_sessions: int = 16  # generations in flight; more wait in a queue
-    queue_timeout_s: float = 30.0  # a request waiting longer for a slot gets 503
+    max_sessions: int = 32  # sessions in flight on this node (they share its forwards)
+    queue_timeout_s: float = 300.0  # a request waiting longer for room gets 503
+    kv_budget_tokens: int = 0  # KV cache tokens this node's layers hold; 0 = half the free
+    # memory after loading
     step_timeout_s: float = 60.0  # one forward step on the worker
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
@@ -102,6 +104,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prefill_chunk_tokens": (lambda v: v >= 1, ">= 1"),
     "max_sessions": (lambda v: v >= 1, ">= 1"),
     "queue_timeout_s": (_finite_positive, "a finite number > 0"),
+    "kv_budget_tokens": (lambda v: v >= 0, ">= 0 (0 = measured from free memory)"),
     "step_timeout_s": (_finite_positive, "a finite number > 0"),
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
     "default_temperature": (_finite_non_negative, "a finite number >= 0"),

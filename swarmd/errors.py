@@ -13,6 +13,7 @@
     │   ├── InvalidRequestError     a bad parameter (names `param`)
     │   ├── UnsupportedError        a valid OpenAI feature we do not serve
     │   ├── ContextLengthError      prompt (+ max_tokens) over the context
+    │   │   └── KVRoomError         more than the route's KV budget     -> 413
     │   └── PayloadTooLargeError    body over the size limit           -> 413
     ├── AuthError                   missing or wrong bearer token      -> 401
     ├── ClientDisconnectedError     the client went away mid-reply (nobody to answer)
@@ -117,6 +118,12 @@ class UnsupportedError(RequestError):
 
 class ContextLengthError(RequestError):
     code = "context_length_exceeded"
+
+
+class KVRoomError(ContextLengthError):
+    """A conversation larger than every route's KV budget: it would never be admitted."""
+
+    status = 413
 
 
 class PayloadTooLargeError(RequestError):

@@ -28,7 +28,12 @@ from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ConfigError, InternalError, SwarmError
 from swarmd.model.loader import LoadedModel, load_model
-from swarmd.model.memory import keep_large_blocks_returnable, release_free_heap
+from swarmd.model.memory import (
+    auto_kv_budget_tokens,
+    keep_large_blocks_returnable,
+    kv_bytes_per_token,
+    release_free_heap,
+)
 from swarmd.model.runtime import StageRuntime
 from swarmd.model.threads import keep_this_thread_single_threaded, physical_cores
 from swarmd.model.worker import TorchWorker
@@ -40,6 +45,7 @@ from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.peers import BanRow, PeerRow
 from swarmd.net.swarm import SwarmPresence, SwarmSettings
+from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
 from swarmd.pipeline.report import FailureRing
@@ -73,6 +79,10 @@ class Node:
             model.stage, config.max_sessions, on_step=self.metrics.stage_forward.observe
         )
         self.torch_threads = config.torch_threads or physical_cores()
+        self.kv_bytes_per_token = kv_bytes_per_token(model.config, model.layers.size)
+        self.kv_budget = KVBudget(
+            config.kv_budget_tokens or auto_kv_budget_tokens(self.kv_bytes_per_token)
+        )
         self.worker = TorchWorker(self.runtime, self.torch_threads)
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,
@@ -93,7 +103,7 @@ class Node:
             ),
         )
         self.coordinator = Coordinator(
-            model, self.worker, identity.short_id, limits, self, chain_settings
+            model, self.worker, identity.short_id, limits, self, chain_settings, self.kv_budget
         )
         self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
@@ -198,6 +208,12 @@ class Node:
             records_rejected=lambda: self.swarm.rejected_records(),
             peers_banned=lambda: len(self.banned()),
             file_bytes_served=lambda: self.file_server.bytes_sent if self.file_server else 0,
+            kv_budget_tokens=lambda: self.kv_budget.total,
+            kv_reserved_tokens=lambda: self.kv_budget.reserved,
+            queued_requests=lambda: self.coordinator.waiting,
+            batch_rows=lambda: self.runtime.last_batch,
+            forwards=lambda: self.runtime.batches,
+            forward_rows=lambda: self.runtime.batched_rows,
         )
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
@@ -304,6 +320,7 @@ class Node:
             functools.partial(run_job, self.worker),
             self.swarm.ban,
             timeouts,
+            self.kv_budget,
         )
         self._stage_service = service
         try:
@@ -325,7 +342,8 @@ class Node:
             num_layers=model.num_layers,
             dtype=model.dtype_name,
             weights=model.weights,
-            free_kv_tokens=free_slots * model.context_length,
+            free_kv_tokens=self.kv_budget.free if free_slots else 0,
+            kv_budget_tokens=self.kv_budget.total,
             throughput_tps=self.coordinator.recent_tokens_per_second(),
             state="ready",
             addrs=tuple(host.addrs[:16]),

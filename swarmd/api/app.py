@@ -92,6 +92,9 @@ async def health(request: web.Request) -> web.Response:
         "in_flight": node.coordinator.in_flight,
         "sessions": node.runtime.session_count,
         "kv_cache_tokens": node.runtime.cached_tokens,
+        "kv_budget_tokens": node.kv_budget.total,
+        "kv_reserved_tokens": node.kv_budget.reserved,
+        "queued": node.coordinator.waiting,
     }
     return web.json_response(body)
 

@@ -25,6 +25,7 @@ from swarmd.errors import (
     ClientDisconnectedError,
     ContextLengthError,
     InvalidRequestError,
+    KVRoomError,
     SwarmError,
 )
 from swarmd.model.loader import LoadedModel
@@ -326,6 +327,17 @@ async def _stream(
                 raise
     except ClientDisconnectedError:
         pass  # nobody is left to answer; the DIAG line has recorded it
+    except KVRoomError as exc:
+        if response.prepared:
+            return response
+        # Too large for the route's KV room: the status says so, and so does the stream
+        # a streaming client reads (one error event, then [DONE]).
+        status, body, _ = classify(exc)
+        refused = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream"})
+        await refused.prepare(request)
+        await refused.write(sse(body))
+        await refused.write(sse("[DONE]"))
+        return refused
     except SwarmError:
         if not response.prepared:
             raise  # nothing sent yet: the middleware answers with the right status

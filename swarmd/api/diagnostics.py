@@ -299,14 +299,18 @@ def _section_failures(failures: list[Failure]) -> str:
 
 def _section_sessions(node: Node) -> str:
     runtime = node.runtime
-    model = node.model
+    budget = node.kv_budget
     sessions = runtime.sessions()
-    capacity = node.config.max_sessions * model.context_length
+    rows = runtime.batched_rows / runtime.batches if runtime.batches else 0.0
     lines = [
         "== Sessions in flight",
-        f"coordinating {node.coordinator.in_flight} request(s)",
-        f"stage sessions {len(sessions)} of {runtime.max_sessions}; KV cache "
-        f"{runtime.cached_tokens} tokens in use (room for {capacity})",
+        f"coordinating {node.coordinator.in_flight} request(s), {node.coordinator.waiting} "
+        "queued",
+        f"stage sessions {len(sessions)} of {runtime.max_sessions}; KV budget "
+        f"{budget.total:,} tokens, {budget.reserved:,} reserved, {runtime.cached_tokens:,} "
+        "in use",
+        f"batching: latest forward {runtime.last_batch} row(s), {rows:.1f} on average over "
+        f"{runtime.batches:,} forwards",
     ]
     for info in sessions:
         lines.append(f"  {info.session_id}  layers {info.layers}  {info.length} tokens")

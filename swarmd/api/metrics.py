@@ -43,6 +43,12 @@ class NodeState:
     records_rejected: Callable[[], dict[str, int]]
     peers_banned: Callable[[], int]
     file_bytes_served: Callable[[], int] = field(default=lambda: 0)
+    kv_budget_tokens: Callable[[], int] = field(default=lambda: 0)
+    kv_reserved_tokens: Callable[[], int] = field(default=lambda: 0)
+    queued_requests: Callable[[], int] = field(default=lambda: 0)
+    batch_rows: Callable[[], int] = field(default=lambda: 0)
+    forwards: Callable[[], int] = field(default=lambda: 0)
+    forward_rows: Callable[[], int] = field(default=lambda: 0)
 
 
 class NodeMetrics:
@@ -113,6 +119,26 @@ class _StateCollector(Collector):
             "swarmd_in_flight_requests", "Requests this node is coordinating", s.in_flight()
         )
         yield _gauge("swarmd_peers_banned", "Peers banned right now", s.peers_banned())
+        yield _gauge(
+            "swarmd_kv_budget_tokens",
+            "KV cache tokens this node holds in all",
+            s.kv_budget_tokens(),
+        )
+        yield _gauge(
+            "swarmd_kv_reserved_tokens",
+            "KV tokens reserved by sessions (prompt + max_tokens each)",
+            s.kv_reserved_tokens(),
+        )
+        yield _gauge(
+            "swarmd_queued_requests", "Requests waiting for a slot or KV room", s.queued_requests()
+        )
+        yield _gauge("swarmd_batch_rows", "Session steps in the latest forward", s.batch_rows())
+        forwards = CounterMetricFamily("swarmd_forwards", "Stage forwards run (batches)")
+        forwards.add_metric([], s.forwards())
+        yield forwards
+        rows = CounterMetricFamily("swarmd_forward_rows", "Session steps run in those forwards")
+        rows.add_metric([], s.forward_rows())
+        yield rows
         yield _counter_by("swarmd_bytes_sent", "Bytes sent to peers", "protocol", s.bytes_sent())
         yield _counter_by(
             "swarmd_bytes_received", "Bytes received from peers", "protocol", s.bytes_received()

@@ -92,7 +92,7 @@ _UNPACK_LIMITS: dict[str, Any] = {
     "max_str_len": 4 * MAX_ADDR_CHARS,  # bytes: a 256-char string may take 4 bytes/char
     "max_bin_len": _SIGNATURE_BYTES,
     "max_array_len": MAX_ADDRS,
-    "max_map_len": 17,  # the 15 fields, the signature and one spare (named in errors)
+    "max_map_len": 18,  # the 16 fields, the signature and one spare (named in errors)
     "max_ext_len": 0,
 }
 
@@ -110,6 +110,7 @@ class NodeRecord:
     dtype: str  # what its matrix kernels compute in, e.g. "bfloat16"
     weights: str  # how its layer matrices are held, e.g. "int4" or "int4+int8"
     free_kv_tokens: int  # KV-cache tokens this node can still take
+    kv_budget_tokens: int  # KV-cache tokens it holds in all (the longest session it takes)
     throughput_tps: float  # measured tokens/s through its layers
     state: str  # "ready" | "loading" | "draining"
     addrs: tuple[str, ...]  # multiaddrs the node listens on
@@ -274,6 +275,7 @@ def _check_fields(fields: dict[str, Any]) -> None:
     _text(fields, "dtype", MAX_SHORT_CHARS, empty_ok=False)
     _text(fields, "weights", MAX_SHORT_CHARS, empty_ok=False)
     _int(fields, "free_kv_tokens", 0, MAX_KV_TOKENS)
+    _int(fields, "kv_budget_tokens", 0, MAX_KV_TOKENS)
     if _float(fields, "throughput_tps") < 0:
         raise MalformedRecordError("record field throughput_tps is negative")
     state = _text(fields, "state", MAX_SHORT_CHARS, empty_ok=False)

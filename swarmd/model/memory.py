@@ -12,6 +12,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 from swarmd.dtypes import FLOAT_TAGS, INT4_GROUP, SAFETENSORS_ITEM, held_format, label_formats
 from swarmd.errors import ModelLoadError
@@ -24,6 +25,25 @@ from swarmd.model.tensorfile import read_header
 # Bytes a node holds per weight of each format (int4: 4 bits + a 16-bit scale and zero per
 # 32 weights; int8: the per-row scale is negligible).
 HELD_BYTES = {"int4": 0.5 + 4 / INT4_GROUP, "int8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+
+
+KV_BYTES = 4  # the engine's and transformers' caches are float32
+KV_SHARE_OF_FREE = 0.5  # of the memory free after loading, what the KV budget may take
+MAX_KV_BUDGET_TOKENS = 1 << 24
+
+
+def kv_bytes_per_token(config: dict[str, Any], layers: int) -> int:
+    """Cache bytes one token takes on `layers` layers of a model (keys and values)."""
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return max(1, layers) * 2 * kv_heads * head_dim * KV_BYTES
+
+
+def auto_kv_budget_tokens(bytes_per_token: int) -> int:
+    """Half the memory free now (after the weights), in tokens of this node's layers."""
+    tokens = int(available_memory_bytes() * KV_SHARE_OF_FREE) // max(1, bytes_per_token)
+    return max(1, min(tokens, MAX_KV_BUDGET_TOKENS))
 
 
 def available_memory_bytes() -> int:

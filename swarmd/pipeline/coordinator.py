@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.loader import LoadedModel
 from swarmd.model.worker import TorchWorker
+from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
@@ -42,6 +43,7 @@ class Coordinator:
         limits: CoordinatorLimits,
         swarm: SwarmAccess,
         chain_settings: ChainSettings,
+        kv_budget: KVBudget,
     ) -> None:
         self.model = model
         self.swarm = swarm
@@ -54,6 +56,8 @@ class Coordinator:
         self._worker = worker
         self._limits = limits
         self._slots = asyncio.Semaphore(limits.max_sessions)
+        self.kv_budget = kv_budget  # this node's; a local session reserves its tokens here
+        self.waiting = 0  # requests queued for a slot or for KV room
 
     def recent_tokens_per_second(self) -> float:
         """Median decode speed of the recent requests (0.0 before any)."""
@@ -85,19 +89,31 @@ class Coordinator:
         gen: Generation | None = None
         error: BaseException | None = None
         acquired = False
+        reserved = 0
+        need = len(request.prompt_ids) + request.max_tokens
         try:
+            deadline = time.monotonic() + self._limits.queue_timeout_s
+            self.waiting += 1
             try:
-                await asyncio.wait_for(self._slots.acquire(), self._limits.queue_timeout_s)
+                if self.model.is_whole:
+                    # FIFO for KV room: the whole session's tokens from now to its end.
+                    await self.kv_budget.reserve(need, self._limits.queue_timeout_s)
+                    reserved = need
+                await asyncio.wait_for(
+                    self._slots.acquire(), max(0.01, deadline - time.monotonic())
+                )
             except TimeoutError as exc:
                 raise OverloadedError(
-                    f"All {self._limits.max_sessions} generation slots stayed busy for "
+                    f"All {self._limits.max_sessions} session slots stayed busy for "
                     f"{self._limits.queue_timeout_s:g} s"
                 ) from exc
+            finally:
+                self.waiting -= 1
             acquired = True
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(len(request.prompt_ids) + request.max_tokens)
+            chain = await self.plan(need)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,
@@ -122,6 +138,8 @@ class Coordinator:
                 if acquired:
                     self.in_flight -= 1
                     self._slots.release()
+                if reserved:
+                    self.kv_budget.release(reserved)
                 timing.total_s = timing.since_received()
                 self.report(self._record(request, timing, gen, error), timing.token_gaps_s)
 

@@ -26,6 +26,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.errors import InternalError, RouteFailedError, StageFailedError
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline import wire
+from swarmd.pipeline.admission import needs_more_than
 from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.route import Route, plan_route, replan
@@ -76,6 +77,9 @@ async def plan(
     NoRouteError when the holders do not cover every layer.
     """
     records = await access.holders(settings.model_id)
+    holds = route_capacity(records, settings.num_layers, access.banned())
+    if holds is not None and need_tokens > holds:
+        raise needs_more_than(need_tokens, holds)
     route = plan_route(
         settings.model_id,
         settings.num_layers,
@@ -86,6 +90,19 @@ async def plan(
         need_tokens=need_tokens,
     )
     return route, records
+
+
+def route_capacity(records: list[NodeRecord], num_layers: int, banned: set[str]) -> int | None:
+    """The longest session any route over these holders could take: per layer the largest
+    KV budget among its holders, the smallest of those over the layers (None: a layer has
+    no holder, which planning reports)."""
+    best = [0] * num_layers
+    for record in records:
+        if record.peer_id in banned:
+            continue
+        for layer in range(max(0, record.layer_start), min(num_layers, record.layer_end)):
+            best[layer] = max(best[layer], record.kv_budget_tokens)
+    return None if not best or min(best) == 0 else min(best)
 
 
 def _hops(route: Route) -> list[Hop]:

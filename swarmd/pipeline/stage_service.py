@@ -43,6 +43,7 @@ from swarmd.errors import (
 from swarmd.model.worker import CloseJob, Job, OpenJob, StepJob
 from swarmd.net.host import P2PHost
 from swarmd.pipeline import wire
+from swarmd.pipeline.admission import KVBudget
 
 log = logging.getLogger(__name__)
 
@@ -130,14 +131,17 @@ class StageService:
         run: RunJob,
         ban: Ban,
         timeouts: StageTimeouts,
+        budget: KVBudget,
     ) -> None:
-        """`dtype`: what this node's stage takes hidden states in (received ones are cast)."""
+        """`dtype`: what this node's stage takes hidden states in (received ones are cast);
+        `budget`: the node's KV tokens, which every session opened here reserves."""
         self.host = host
         self.limits = limits
         self.timeouts = timeouts
         self._dtype = dtype
         self._run = run
         self._ban = ban
+        self._budget = budget
         self._pending: dict[str, PendingReturn] = {}
         self._nursery: trio.Nursery | None = None
         host.set_handler(wire.STAGE_PROTOCOL, self._serve)
@@ -233,6 +237,21 @@ class StageService:
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
+        if not self._budget.try_reserve(req.max_length):
+            # Refused, not failed: the coordinator leaves this stage out of this request only.
+            budget = self._budget
+            why = (
+                f"no KV room for {req.max_length:,} tokens "
+                f"({budget.free:,} of {budget.total:,} free)"
+            )
+            await _report(up, wire.fail_frame(self.peer_id, why, "refused"))
+            return
+        try:
+            await self._open_and_run(up, req)
+        finally:
+            self._budget.release(req.max_length)
+
+    async def _open_and_run(self, up: Link, req: wire.OpenRequest) -> None:
         sid = req.sid
         opening = OpenJob(
             sid, req.max_length, req.sampling if req.is_last else None, req.history, req.me.layers

@@ -248,6 +248,7 @@ def record(peer_id: str, model: Model, layers: tuple[int, int], **changes: Any) 
         dtype="float32",
         weights="fp32",
         free_kv_tokens=8192,
+        kv_budget_tokens=8192,
         throughput_tps=10.0,
         state="ready",
         addrs=(),

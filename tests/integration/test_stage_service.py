@@ -35,6 +35,7 @@ from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.pipeline import wire
+from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 
@@ -80,6 +81,7 @@ class StageNode:
     runtime: StageRuntime
     scope: trio.CancelScope
     closed: trio.Event
+    budget: KVBudget
     bans: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -108,9 +110,11 @@ async def _serve_stage(
     model: Model,
     held: tuple[int, int],
     timeouts: StageTimeouts,
+    budget_tokens: int,
     task_status: trio.TaskStatus[StageNode] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     closed = trio.Event()
+    budget = KVBudget(budget_tokens)
     runtime = StageRuntime(model.stages[held], max_sessions=4)
     try:
         with trio.CancelScope() as scope:
@@ -130,11 +134,13 @@ async def _serve_stage(
                     bans.append((peer_id, why))
 
                 run = functools.partial(run_job, worker)
-                service = StageService(host, limits, torch.float32, run, ban, timeouts)
+                service = StageService(host, limits, torch.float32, run, ban, timeouts, budget)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(service.run)
                     assert await poll(lambda: _running(service), 5.0)
-                    task_status.started(StageNode(host, service, runtime, scope, closed, bans))
+                    task_status.started(
+                        StageNode(host, service, runtime, scope, closed, budget, bans)
+                    )
                     await trio.sleep_forever()
     finally:
         closed.set()
@@ -154,11 +160,16 @@ async def _worker(runtime: StageRuntime) -> AsyncIterator[TorchWorker]:
 
 @asynccontextmanager
 async def stage_nodes(
-    model: Model, *specs: tuple[tuple[int, int], StageTimeouts]
+    model: Model,
+    *specs: tuple[tuple[int, int], StageTimeouts] | tuple[tuple[int, int], StageTimeouts, int],
 ) -> AsyncIterator[list[StageNode]]:
-    """One `StageNode` per (held layers, timeouts); all closed when the block exits."""
+    """One `StageNode` per (held layers, timeouts[, KV budget tokens]); all closed when the
+    block exits."""
     async with trio.open_nursery() as nursery:
-        nodes = [await nursery.start(_serve_stage, model, held, t) for held, t in specs]
+        nodes = []
+        for held, t, *budget in specs:
+            tokens = budget[0] if budget else 4 * MAX_LENGTH
+            nodes.append(await nursery.start(_serve_stage, model, held, t, tokens))
         try:
             yield nodes
         finally:
@@ -349,6 +360,31 @@ def test_an_open_for_layers_a_stage_does_not_hold_is_refused_without_a_ban(
 
             assert await poll(freed, FREED_WITHIN_S)
             assert y.bans == [] and x.bans == []
+
+    run(test)
+
+
+def test_a_stage_without_kv_room_refuses_the_open_without_a_ban_and_keeps_its_budget(
+    model: Model,
+) -> None:
+    async def test() -> None:
+        tight = ((2, 4), STAGE_TIMEOUTS, MAX_LENGTH - 1)
+        specs = [((0, 2), STAGE_TIMEOUTS), tight, ((2, 4), STAGE_TIMEOUTS)]
+        async with stage_nodes(model, *specs) as (x, y, z):
+            ring = ring_over(x, y)
+            async with closing(ring):
+                with pytest.raises(StageFailedError) as info:
+                    await ring.open()
+            assert info.value.kind == "refused" and info.value.peer_id == y.peer_id
+            assert f"{MAX_LENGTH:,} tokens" in str(info.value)
+            assert await poll(lambda: x.budget.reserved == 0 and x.runtime.session_count == 0, 2)
+            assert y.budget.reserved == 0 and y.bans == [] and x.bans == []
+            # A stage with room: each stage reserves the session's tokens while it runs.
+            ring = ring_over(x, z)
+            async with closing(ring):
+                await ring.open()
+                assert x.budget.reserved == z.budget.reserved == MAX_LENGTH
+            assert await poll(lambda: x.budget.reserved == z.budget.reserved == 0, FREED_WITHIN_S)
 
     run(test)
 

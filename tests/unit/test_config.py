@@ -36,8 +36,9 @@ def test_defaults() -> None:
     assert config.weights == "auto"
     assert config.torch_threads == 0
     assert config.prefill_chunk_tokens == 256
-    assert config.max_sessions == 16
-    assert config.queue_timeout_s == 30.0
+    assert config.max_sessions == 32
+    assert config.kv_budget_tokens == 0
+    assert config.queue_timeout_s == 300.0
     assert config.step_timeout_s == 60.0
     assert config.max_body_bytes == 1_048_576
     assert config.default_temperature == 1.0

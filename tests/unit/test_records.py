@@ -51,6 +51,7 @@ def make_record(identity: Identity = ALICE, **changes: object) -> NodeRecord:
         dtype="float16",
         weights="fp32",
         free_kv_tokens=8192,
+        kv_budget_tokens=8192,
         throughput_tps=42.5,
         state="ready",
         addrs=("/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/4001"),
@@ -162,6 +163,7 @@ def test_tampering_any_field_breaks_the_signature(name: str) -> None:
         "dtype": "float32",
         "weights": "int4",
         "free_kv_tokens": 8193,
+        "kv_budget_tokens": 8191,
         "throughput_tps": 42.25,
         "state": "loading",
         "addrs": ["/ip4/127.0.0.2/tcp/4001", "/ip6/::1/tcp/4001"],
@@ -279,6 +281,7 @@ BAD_FIELDS = [
     ("num_layers", 0),
     ("num_layers", 10_001),
     ("free_kv_tokens", -1),
+    ("kv_budget_tokens", -1),
     ("free_kv_tokens", 2**63),
     ("state", "serving"),
     ("state", ""),
@@ -327,8 +330,8 @@ def test_non_canonical_encodings_are_refused() -> None:
     # The same content, throughput as float32.
     as_float32 = msgpack.packb(fields, use_bin_type=True, use_single_float=True)
     # A duplicate key: a valid record followed by a second "state".
-    assert value[:3] == b"\xde\x00\x10"  # a map of 16 entries
-    duplicated = b"\xde\x00\x11" + value[3:] + msgpack.packb("state") + msgpack.packb("ready")
+    assert value[:3] == b"\xde\x00\x11"  # a map of 17 entries
+    duplicated = b"\xde\x00\x12" + value[3:] + msgpack.packb("state") + msgpack.packb("ready")
     for variant in (reordered, as_float32, duplicated):
         assert variant != value
         with pytest.raises(MalformedRecordError, match="canonical"):
@@ -383,7 +386,7 @@ def test_msgpack_bomb_fails_fast_without_allocating(bomb: bytes) -> None:
         msgpack.packb({"peer_id": "a" * 1025}),  # str over max_str_len
         msgpack.packb({"sig": b"s" * 65}),  # bin over max_bin_len
         msgpack.packb({"addrs": ["/a"] * 17}),  # array over max_array_len
-        msgpack.packb({f"k{i}": 0 for i in range(18)}),  # map over max_map_len
+        msgpack.packb({f"k{i}": 0 for i in range(19)}),  # map over max_map_len
     ],
 )
 def test_unpacker_limits_refuse_before_field_checks(value: bytes) -> None:

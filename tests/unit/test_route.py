@@ -47,6 +47,7 @@ def record(peer: str, start: int, end: int, tps: float, **changes) -> NodeRecord
         dtype="float16",
         weights="fp32",
         free_kv_tokens=8192,
+        kv_budget_tokens=8192,
         throughput_tps=tps,
         state="ready",
         addrs=(),
