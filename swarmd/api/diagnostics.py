@@ -304,8 +304,7 @@ def _section_sessions(node: Node) -> str:
     rows = runtime.batched_rows / runtime.batches if runtime.batches else 0.0
     lines = [
         "== Sessions in flight",
-        f"coordinating {node.coordinator.in_flight} request(s), {node.coordinator.waiting} "
-        "queued",
+        f"coordinating {node.coordinator.in_flight} request(s), {node.coordinator.waiting} queued",
         f"stage sessions {len(sessions)} of {runtime.max_sessions}; KV budget "
         f"{budget.total:,} tokens, {budget.reserved:,} reserved, {runtime.cached_tokens:,} "
         "in use",
