@@ -214,6 +214,25 @@ def test_client_gone_frees_the_session_on_every_stage(three_stages: Swarm) -> No
     assert wait_until(lambda: "error_type=ClientDisconnectedError" in nodes[0].log_text(), 5.0)
 
 
+def test_eight_streams_through_three_stages_each_equal_their_reply_alone(
+    three_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    from tests.e2e.concurrent import eight_bodies, references, stream_all  # built on Stream
+
+    bodies = eight_bodies(stream=True)
+    expected = references(embedded_node, bodies)
+    nodes = [three_stages[n] for n in ("a", "b", "c")]
+    outcomes = stream_all(nodes[1], bodies, cancel=5)  # coordinated by the middle stage
+    for i, (got, want) in enumerate(zip(outcomes, expected, strict=True)):
+        assert got.failure == "" and got.errors == [], (i, got)
+        if i == 5:
+            assert want.startswith(got.text) and got.text
+        else:
+            assert got.done and got.text == want, i
+    assert wait_until(lambda: all(int(n.health()["sessions"]) == 0 for n in nodes), 2.0)
+    assert all("peer banned" not in n.log_text() for n in nodes)
+
+
 # --- failover ---------------------------------------------------------------------------
 
 

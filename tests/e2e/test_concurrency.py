@@ -1,0 +1,142 @@
+"""Many users at once: concurrent streams through a two-stage swarm and on one node, each
+reply what it would have been alone; admission by KV tokens (FIFO waits, 413 past the
+route's budget)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import NodeProcess, http_json, running_node, wait_until
+from tests.e2e.concurrent import eight_bodies, references, stream_all
+from tests.e2e.test_pipeline import Swarm, chat_body
+
+pytestmark = pytest.mark.e2e
+
+BUDGET = 3000  # KV tokens per node: the eight streams fit at once, a 3,500-token ask does not
+
+
+@pytest.fixture(scope="module")
+def two_stages(test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    args = ["--cache-dir", str(test_cache_dir), "--kv-budget-tokens", str(BUDGET)]
+    swarm = Swarm(tmp_path_factory.mktemp("two"), args)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SWARMD_TORCH_THREADS", "1")  # nodes share two cores
+        try:
+            swarm.start([("a", "0:15", None), ("b", "15:30", None)])
+            for name in ("a", "b"):
+                swarm.wait_holders(name, 2)
+            yield swarm
+        finally:
+            swarm.stop()
+
+
+def test_eight_streams_through_two_stages_each_equal_their_reply_alone(
+    two_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    bodies = eight_bodies(stream=True)
+    expected = references(embedded_node, bodies)
+    nodes = [two_stages["a"], two_stages["b"]]
+    outcomes = stream_all(nodes[0], bodies, cancel=3)
+    ended = time.monotonic()
+    for i, (got, want) in enumerate(zip(outcomes, expected, strict=True)):
+        assert got.failure == "" and got.errors == [], (i, got)
+        if i == 3:  # cut by its client: what it got is the start of its reply
+            assert want.startswith(got.text) and got.text
+            continue
+        assert got.done and got.finish_reason in ("stop", "length"), (i, got)
+        assert got.text == want, i
+    assert wait_until(lambda: all(int(n.health()["sessions"]) == 0 for n in nodes), 2.0)
+    assert time.monotonic() - ended < 2.5
+    assert all(int(n.health()["kv_reserved_tokens"]) == 0 for n in nodes)
+    for node in nodes:
+        log = node.log_text()
+        assert "peer banned" not in log and "stage failed" not in log
+    forwards = _metric(nodes[1], "swarmd_forward_rows_total") / _metric(
+        nodes[1], "swarmd_forwards_total"
+    )
+    assert forwards > 1.0  # the last stage ran several sessions' steps per forward
+
+
+def test_a_request_over_the_routes_kv_budget_gets_413_and_the_swarm_keeps_serving(
+    two_stages: Swarm,
+) -> None:
+    node = two_stages["a"]
+    body = chat_body("Write a very long story.", 3500)
+    status, reply, _ = http_json(f"{node.url}/v1/chat/completions", body)
+    assert status == 413, reply
+    error = reply["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "3,5" in error["message"] and f"{BUDGET:,}" in error["message"]
+    status, events = _stream_raw(node, {**body, "stream": True})
+    assert status == 413
+    assert events[-1] == "[DONE]" and events[0]["error"]["code"] == "context_length_exceeded"
+    status, reply, _ = http_json(f"{node.url}/v1/chat/completions", chat_body("Hi.", 4))
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def small_budget_node(
+    test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    args = ["--cache-dir", str(test_cache_dir), "--kv-budget-tokens", "1500"]
+    with running_node(tmp_path_factory, "small-budget", args) as node:
+        yield node
+
+
+def test_a_hundred_streams_on_one_node_all_finish(small_budget_node: NodeProcess) -> None:
+    """More than the budget holds at once (100 x ~45 tokens over 1,500): the rest wait
+    their turn in FIFO order, and every one completes."""
+    node = small_budget_node
+    bodies = [chat_body(f"Say hello to person {i}.", 8, True) for i in range(100)]
+    outcomes = stream_all(node, bodies)
+    failed = [(i, o) for i, o in enumerate(outcomes) if o.failure or o.errors or not o.done]
+    assert failed == []
+    assert all(o.finish_reason in ("stop", "length") and o.text for o in outcomes)
+    assert wait_until(lambda: int(node.health()["kv_reserved_tokens"]) == 0, 2.0)
+    assert "OverloadedError" not in node.log_text()
+    status, reply, _ = http_json(f"{node.url}/v1/chat/completions", chat_body("Hi.", 2000))
+    assert status == 413 and "1,500" in reply["error"]["message"]
+
+
+def _metric(node: NodeProcess, name: str) -> float:
+    conn = http.client.HTTPConnection(*_host_port(node), timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def _host_port(node: NodeProcess) -> tuple[str, int]:
+    url = urlsplit(node.url)
+    return str(url.hostname), int(url.port or 80)
+
+
+def _stream_raw(node: NodeProcess, body: dict[str, Any]) -> tuple[int, list[Any]]:
+    conn = http.client.HTTPConnection(*_host_port(node), timeout=60)
+    try:
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        events: list[Any] = []
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                data = line.removeprefix("data:").strip()
+                events.append(data if data == "[DONE]" else json.loads(data))
+        return response.status, events
+    finally:
+        conn.close()
