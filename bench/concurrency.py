@@ -7,7 +7,10 @@ Phases (each a server in its own process group, started and stopped here):
 2. two: two `swarmd run` nodes, layers [0:15] and [15:30], `--torch-threads` T/2 each
    (they share the cores), requests to the first;
 3. llama.cpp: llama-cpp-python's OpenAI server on the same GGUF with T threads, when the
-   optional `bench` extra is installed (`make bench-deps`).
+   optional `bench` extra is installed (`make bench-deps`). It serves one request at a
+   time (queued, not interrupted: `--interrupt_requests False`), so its total stays about
+   its one-stream rate; llama.cpp's C++ `llama-server -np N` batches, but is not what the
+   `bench` extra installs.
 
 At each level N, N streamed greedy chat completions start together (different prompts,
 `--max-tokens` tokens each). Per level: total tok/s (every content chunk of every stream
@@ -20,7 +23,7 @@ scaling8: total tok/s at 8 streams over the total at 1 (the target is >= 3); agg
 one-node total at 8 streams over llama.cpp's at 8. Nothing else should run meanwhile.
 
 Usage: .venv/bin/python bench/concurrency.py [--cache-dir DIR] [--threads 2]
-       [--levels 1,2,4,8,16] [--max-tokens 64]
+       [--levels 1,2,4,8,16] [--max-tokens 64] [--phases one,two,llama.cpp]
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--levels", default="1,2,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--phases", default="one,two,llama.cpp", help="which to run")
     return parser.parse_args()
 
 
@@ -254,6 +258,8 @@ def llamacpp_phase(args: argparse.Namespace, workdir: Path) -> Phase:
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(embedded_gguf_path())]
     cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
     cmd += ["--n_ctx", "4096", "--port", str(port), "--host", "127.0.0.1"]
+    # By default a new request interrupts the one streaming: queue them instead.
+    cmd += ["--interrupt_requests", "False"]
     log = (workdir / "llamacpp.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
     phase = Phase("llama.cpp", f"llama-cpp-python {llama_cpp.__version__} server, same GGUF")
@@ -280,8 +286,11 @@ def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(REPO))
     workdir = Path(tempfile.mkdtemp(prefix="swarmd-bench-concurrency-"))
-    phases = [one_node_phase(args, workdir), two_stage_phase(args, workdir)]
-    phases.append(llamacpp_phase(args, workdir))
+    runs = {"one": one_node_phase, "two": two_stage_phase, "llama.cpp": llamacpp_phase}
+    wanted = args.phases.split(",")
+    phases = [
+        runs[name](args, workdir) if name in wanted else Phase(name, "not run") for name in runs
+    ]
     print(f"\n{args.max_tokens}-token greedy streams, {args.threads} threads in all")
     print(
         f"{'phase':<10} {'streams':>7} {'total tok/s':>11} {'per stream':>10} {'TTFT ms':>8} errors"

@@ -56,6 +56,8 @@ class Config:
     queue_timeout_s: float = 300.0  # a request waiting longer for room gets 503
     kv_budget_tokens: int = 0  # KV cache tokens this node's layers hold; 0 = half the free
     # memory after loading
+    prefix_cache_tokens: int = -1  # finished conversations' KV kept for their next turn
+    # (on top of the budget); -1 = an eighth of the KV budget, 0 = off
     step_timeout_s: float = 60.0  # one forward step on the worker
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
@@ -105,6 +107,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_sessions": (lambda v: v >= 1, ">= 1"),
     "queue_timeout_s": (_finite_positive, "a finite number > 0"),
     "kv_budget_tokens": (lambda v: v >= 0, ">= 0 (0 = measured from free memory)"),
+    "prefix_cache_tokens": (lambda v: v >= -1, ">= -1 (-1 = an eighth of the KV budget)"),
     "step_timeout_s": (_finite_positive, "a finite number > 0"),
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
     "default_temperature": (_finite_non_negative, "a finite number >= 0"),

@@ -75,14 +75,18 @@ class Node:
         self.model = model
         self.failures = FailureRing()
         self.metrics = NodeMetrics(self._metrics_state())
-        self.runtime = StageRuntime(
-            model.stage, config.max_sessions, on_step=self.metrics.stage_forward.observe
-        )
-        self.torch_threads = config.torch_threads or physical_cores()
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, model.layers.size)
         self.kv_budget = KVBudget(
             config.kv_budget_tokens or auto_kv_budget_tokens(self.kv_bytes_per_token)
         )
+        prefix = config.prefix_cache_tokens
+        self.runtime = StageRuntime(
+            model.stage,
+            config.max_sessions,
+            on_step=self.metrics.stage_forward.observe,
+            prefix_tokens=self.kv_budget.total // 8 if prefix < 0 else prefix,
+        )
+        self.torch_threads = config.torch_threads or physical_cores()
         self.worker = TorchWorker(self.runtime, self.torch_threads)
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,

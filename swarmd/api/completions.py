@@ -135,10 +135,15 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
     }
 
 
-def _usage(gen: Generation) -> dict[str, int]:
+def _usage(gen: Generation) -> dict[str, Any]:
     prompt = len(gen.request.prompt_ids)
     done = gen.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
 
 
 def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_param: str) -> int:

@@ -310,6 +310,9 @@ def _section_sessions(node: Node) -> str:
         "in use",
         f"batching: latest forward {runtime.last_batch} row(s), {rows:.1f} on average over "
         f"{runtime.batches:,} forwards",
+        f"prefix cache: {runtime.prefix_hits:,} reuse(s), {runtime.prefix_reused_tokens:,} "
+        f"prompt tokens not prefilled again; {runtime.prefix_held_tokens:,} of "
+        f"{runtime.prefix_tokens:,} tokens held",
     ]
     for info in sessions:
         lines.append(f"  {info.session_id}  layers {info.layers}  {info.length} tokens")

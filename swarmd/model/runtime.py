@@ -7,6 +7,7 @@ the coordinator closes it however the reply ends.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,6 +70,8 @@ class StageSession:
     max_length: int  # tokens this session may hold in its cache
     sampler: Sampler | None  # only on the last stage
     length: int = 0
+    tokens: list[int] | None = None  # the ids its cache holds (a whole-model session)
+    prompt_length: int = 0  # of its prompt
 
 
 @dataclass(frozen=True)
@@ -93,15 +96,35 @@ class StepResult:
     compute_s: float
 
 
+MIN_PREFIX_TOKENS = 16  # a shorter shared start is not worth keeping a cache for
+
+
+@dataclass
+class _Prefix:
+    """A finished session's cache, kept for a next turn that starts with its tokens."""
+
+    tokens: list[int]
+    module: Stage
+    cache: Any
+    held: int  # positions its buffer holds (at least its tokens)
+    prompt_length: int  # a next turn repeats at least this much (its whole prompt)
+
+
 class StageRuntime:
     def __init__(
         self,
         stage: Stage,
         max_sessions: int,
         on_step: Callable[[float], None] | None = None,
+        prefix_tokens: int = 0,
     ) -> None:
-        """`on_step(seconds)`: told the time of every forward pass (metrics)."""
+        """`on_step(seconds)`: told the time of every forward pass (metrics);
+        `prefix_tokens`: how many tokens of finished conversations to keep for reuse."""
         self.stage = stage
+        self.prefix_tokens = prefix_tokens
+        self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()  # oldest first
+        self.prefix_hits = 0
+        self.prefix_reused_tokens = 0
         self._on_step = on_step
         self.max_sessions = max_sessions
         self._sessions: dict[str, StageSession] = {}
@@ -132,8 +155,11 @@ class StageRuntime:
         sampling: SamplingParams | None,
         history: list[int] | None = None,
         layers: LayerRange | None = None,
-    ) -> None:
-        """Create a session over `layers` (default: all held).
+        prompt: list[int] | None = None,
+    ) -> int:
+        """Create a session over `layers` (default: all held); return how many tokens of
+        `prompt` its cache already holds (reused from a finished conversation that began
+        with them: the caller prefills only the rest).
 
         `history`: reply tokens already sampled (for the penalties), when a session is
         rebuilt after a failover.
@@ -148,9 +174,43 @@ class StageRuntime:
             sampler = Sampler(sampling, module.vocab_size)
             for token in history or []:
                 sampler.observe(token)
+        reused, cache = self._adopt(module, prompt, max_length)
+        track = module.is_first and prompt is not None and self.prefix_tokens > 0
         self._sessions[session_id] = StageSession(
-            session_id, module, module.new_cache(max_length), max_length, sampler
+            session_id,
+            module,
+            cache if cache is not None else module.new_cache(max_length),
+            max_length,
+            sampler,
+            reused,
+            list(prompt[:reused]) if track and prompt is not None else None,
+            len(prompt or ()),
         )
+        return reused
+
+    def _adopt(self, module: Stage, prompt: list[int] | None, max_length: int) -> tuple[int, Any]:
+        """The kept conversation `prompt` continues with the longest shared start, its cache
+        cut to that start."""
+        if not prompt or not self._prefixes:
+            return 0, None
+        best_key, best = None, 0
+        for key, kept in self._prefixes.items():
+            if kept.module is not module:
+                continue
+            shared = _shared_start(kept.tokens, prompt)
+            # A continuation of that conversation (its whole prompt, then some of its
+            # reply), not merely another request with the same system prompt.
+            if shared >= kept.prompt_length and shared > best:
+                best_key, best = key, shared
+        best = min(best, len(prompt) - 1)  # the last prompt token is run for its logits
+        if best_key is None or best < MIN_PREFIX_TOKENS:
+            return 0, None
+        kept = self._prefixes.pop(best_key)
+        kept.cache.length = best  # later positions are overwritten as the session runs
+        kept.cache.max_length = max_length
+        self.prefix_hits += 1
+        self.prefix_reused_tokens += best
+        return best, kept.cache
 
     def step(
         self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
@@ -202,6 +262,8 @@ class StageRuntime:
         results = []
         for (i, session, req), out in zip(group, outs, strict=True):
             session.length += int(req.inputs.shape[1])  # the cache holds them now
+            if session.tokens is not None:
+                session.tokens.extend(req.inputs[0].tolist())
             token = None
             if module.is_last and req.want_token and session.sampler is not None:
                 token = session.sampler.sample(out[0])
@@ -231,10 +293,31 @@ class StageRuntime:
         return view
 
     def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+        session = self._sessions.pop(session_id, None)
+        if session is None or session.tokens is None or len(session.tokens) < MIN_PREFIX_TOKENS:
+            return
+        if not hasattr(session.cache, "length") or session.cache.length != len(session.tokens):
+            return  # only the engine's caches can be cut back to a shared start
+        held = max(len(session.tokens), int(getattr(session.cache, "capacity", 0)))
+        kept = _Prefix(session.tokens, session.module, session.cache, held, session.prompt_length)
+        self._prefixes[session_id] = kept
+        while self._prefixes and self.prefix_held_tokens > self.prefix_tokens:
+            self._prefixes.popitem(last=False)  # the least recently finished goes
+
+    @property
+    def prefix_held_tokens(self) -> int:
+        return sum(p.held for p in list(self._prefixes.values()))
 
     def _get(self, session_id: str) -> StageSession:
         session = self._sessions.get(session_id)
         if session is None:
             raise InternalError(f"Session {session_id} is not open on this stage")
         return session
+
+
+def _shared_start(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -43,6 +43,7 @@ class OpenJob:
     sampling: SamplingParams | None  # only where the last stage samples
     history: tuple[int, ...] = ()  # reply tokens so far (a session rebuilt after failover)
     layers: LayerRange | None = None  # part of what this node holds; None = all
+    prompt: tuple[int, ...] = ()  # the prompt ids (a whole-model session: prefix reuse)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Runtime(Protocol):
         sampling: SamplingParams | None,
         history: list[int] | None = None,
         layers: LayerRange | None = None,
-    ) -> None: ...
+        prompt: list[int] | None = None,
+    ) -> int: ...
 
     def step_many(self, requests: list[StepRequest]) -> list[Any]: ...
 
@@ -341,7 +343,12 @@ class TorchWorker:
             self._gatherer.forget(job.session_id)
         if isinstance(job, OpenJob):
             return self.runtime.open(
-                job.session_id, job.max_length, job.sampling, list(job.history), job.layers
+                job.session_id,
+                job.max_length,
+                job.sampling,
+                list(job.history),
+                job.layers,
+                list(job.prompt) or None,
             )
         return self.runtime.close(job.session_id)
 

@@ -32,7 +32,11 @@ class StageChain(Protocol):
         """True when this node runs every layer itself."""
         ...
 
-    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None: ...
+    async def open(
+        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+    ) -> int:
+        """Open the session; how many leading prompt tokens its caches already hold."""
+        ...
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None: ...
 
@@ -58,11 +62,14 @@ class LocalChain:
     def is_local(self) -> bool:
         return True
 
-    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None:
+    async def open(
+        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+    ) -> int:
         # Set before the await: if the caller times out while the worker opens it, close()
         # still frees it (the queue is FIFO, so the close runs after the open).
         self._session_id = session_id
-        await self._worker.run(OpenJob(session_id, max_length, sampling), self._timeout_s)
+        job = OpenJob(session_id, max_length, sampling, prompt=tuple(prompt))
+        return int(await self._worker.run(job, self._timeout_s))
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None:
         session_id = self._session_id

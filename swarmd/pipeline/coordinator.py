@@ -173,6 +173,7 @@ class Coordinator:
             decode_ms=ms(timing.decode_s),
             total_ms=ms(timing.total_s),
             prompt_tokens=len(request.prompt_ids),
+            cached_tokens=gen.cached_tokens if gen is not None else None,
             tokens=gen.completion_tokens if gen is not None and gen.tokens else None,
             stage_ms=tuple(s * 1000.0 for s in chain.stage_seconds()) if chain else (),
             activation_bytes=chain.activation_bytes() if chain is not None else None,

@@ -141,9 +141,12 @@ class DistributedChain:
     def is_local(self) -> bool:
         return False
 
-    async def open(self, session_id: str, max_length: int, sampling: SamplingParams) -> None:
+    async def open(
+        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+    ) -> int:
         self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
         await self._with_failover(None, False)
+        return 0  # prefix reuse is a one-node route's for now: every stage prefills
 
     async def step(self, token_ids: list[int], want_token: bool) -> int | None:
         return await self._with_failover(token_ids, want_token)

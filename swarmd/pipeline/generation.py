@@ -68,6 +68,7 @@ class Generation:
         self.timing = timing
         self.tokens: list[int] = []
         self.finish_reason: FinishReason | None = None
+        self.cached_tokens = 0  # prompt tokens reused from a cached conversation
         self._codec = codec
         self._chunk = chunk
 
@@ -81,7 +82,9 @@ class Generation:
         detok = IncrementalDetokenizer(self._codec)
         stops = StopMatcher(req.stop)
         max_length = len(req.prompt_ids) + req.max_tokens
-        await self.chain.open(req.request_id, max_length, req.sampling)
+        self.cached_tokens = await self.chain.open(
+            req.request_id, max_length, req.sampling, req.prompt_ids
+        )
         token = await self._prefill()
         self.timing.ttft_s = self.timing.since_received()
         first_token_at = last_token_at = time.perf_counter()
@@ -116,7 +119,8 @@ class Generation:
     async def _prefill(self) -> int:
         prompt = self.request.prompt_ids
         token: int | None = None
-        for start in range(0, len(prompt), self._chunk):
+        # The cached start of the prompt (a previous turn's) is already in the caches.
+        for start in range(self.cached_tokens, len(prompt), self._chunk):
             self._stop_if_client_gone()
             chunk = prompt[start : start + self._chunk]  # [<= chunk]
             token = await self.chain.step(chunk, want_token=start + self._chunk >= len(prompt))

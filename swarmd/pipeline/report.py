@@ -31,6 +31,7 @@ class RequestRecord:
     decode_ms: float | None = None
     total_ms: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, reused from a cached conversation
     tokens: int | None = None
     stage_ms: tuple[float, ...] = ()
     activation_bytes: int | None = None
@@ -64,6 +65,7 @@ class RequestRecord:
             ("decode_ms", self.decode_ms),
             ("total_ms", self.total_ms),
             ("prompt_tokens", self.prompt_tokens),
+            ("cached_tokens", self.cached_tokens),
             ("tokens", self.tokens),
             ("tok_per_sec", self.tok_per_sec),
             ("tpot_ms", self.tpot_ms),

@@ -140,3 +140,32 @@ def _stream_raw(node: NodeProcess, body: dict[str, Any]) -> tuple[int, list[Any]
         return response.status, events
     finally:
         conn.close()
+
+
+def test_a_second_turn_reuses_the_first_turns_cache(
+    embedded_node: NodeProcess, small_budget_node: NodeProcess
+) -> None:
+    """Turn 2 starts with turn 1's prompt and reply: those positions come from the cache
+    (cached_tokens), its first token comes at least twice as fast, and its text is what a
+    node that never saw turn 1 answers."""
+    from tests.e2e.test_pipeline import LONG_PROMPT
+
+    first = {**chat_body(LONG_PROMPT + " Number 7.", 12), "stream": False}
+    status, turn1, _ = http_json(f"{embedded_node.url}/v1/chat/completions", first)
+    assert status == 200
+    assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    messages = [
+        *first["messages"],
+        {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Now say it in five words."},
+    ]
+    second = {**first, "messages": messages}
+    status, turn2, _ = http_json(f"{embedded_node.url}/v1/chat/completions", second)
+    assert status == 200
+    cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert turn1["usage"]["prompt_tokens"] <= cached < turn2["usage"]["prompt_tokens"]
+    assert turn2["swarm"]["timing"]["ttft_ms"] <= turn1["swarm"]["timing"]["ttft_ms"] / 2
+    status, fresh, _ = http_json(f"{small_budget_node.url}/v1/chat/completions", second)
+    assert status == 200 and fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert turn2["choices"][0]["message"] == fresh["choices"][0]["message"]
+    assert f"cached_tokens={cached}" in embedded_node.log_text()

@@ -38,6 +38,7 @@ def test_defaults() -> None:
     assert config.prefill_chunk_tokens == 256
     assert config.max_sessions == 32
     assert config.kv_budget_tokens == 0
+    assert config.prefix_cache_tokens == -1
     assert config.queue_timeout_s == 300.0
     assert config.step_timeout_s == 60.0
     assert config.max_body_bytes == 1_048_576

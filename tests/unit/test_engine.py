@@ -237,3 +237,45 @@ def test_rows_batched_together_equal_each_row_alone(
             torch.testing.assert_close(a._buffer[..., : a.length, :], b._buffer[..., : b.length, :])
         else:
             assert torch.equal(a._buffer[..., : a.length, :], b._buffer[..., : b.length, :])
+
+
+def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path: Path) -> None:
+    """The runtime keeps a finished session's cache; a prompt that starts with its tokens
+    gets that many positions for free, and the rest runs as in a fresh session."""
+    from swarmd.model.runtime import MIN_PREFIX_TOKENS, StageRuntime
+    from swarmd.model.sampling import SamplingParams
+
+    path, _ = make_tiny("llama", tmp_path)
+    stage = lean(path)
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
+    greedy = SamplingParams(temperature=0.0)
+    turn1 = prompt(24, seed=3)[0].tolist()
+    assert runtime.open("t1", 128, greedy, prompt=turn1) == 0
+    token = runtime.step("t1", torch.tensor([turn1]), True).token
+    reply = [token]
+    for _ in range(5):
+        reply.append(runtime.step("t1", torch.tensor([[reply[-1]]]), True).token)
+    runtime.close("t1")  # its cache holds turn1 + reply[:-1]
+    assert runtime.prefix_held_tokens >= len(turn1) + 5
+    turn2 = turn1 + reply + prompt(7, seed=4)[0].tolist()
+    reused = runtime.open("t2", 128, greedy, prompt=turn2)
+    assert reused == len(turn1) + len(reply) - 1
+    got = runtime.step("t2", torch.tensor([turn2[reused:]]), True).token
+    fresh = StageRuntime(stage, max_sessions=1)
+    fresh.open("f", 128, greedy, prompt=turn2)
+    assert fresh.step("f", torch.tensor([turn2]), True).token == got
+    assert runtime.prefix_hits == 1 and runtime.prefix_held_tokens == 0  # taken, not shared
+    # A prompt that shares a long start (a system prompt) but not t2's whole prompt is
+    # another conversation: a fresh cache.
+    runtime.close("t2")
+    other = prompt(30, seed=9)[0].tolist()
+    assert len(turn2) - 3 >= MIN_PREFIX_TOKENS
+    assert runtime.open("t3", 128, greedy, prompt=turn2[:-3] + other) == 0
+    # The least recently finished conversation goes first once the cap is passed.
+    small = StageRuntime(stage, max_sessions=4, prefix_tokens=50)  # each holds 32
+    for i in range(3):
+        ids = prompt(20, seed=30 + i)[0].tolist()
+        small.open(f"c{i}", 32, greedy, prompt=ids)
+        small.step(f"c{i}", torch.tensor([ids]), True)
+        small.close(f"c{i}")
+    assert small.prefix_held_tokens <= 50 and list(small._prefixes) == ["c2"]
