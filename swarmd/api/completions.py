@@ -235,6 +235,10 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             prompt_ids = await asyncio.to_thread(_text_prompt, req, model)
             param = "prompt"
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
+        room = coordinator.kv_budget.total - len(prompt_ids)
+        if req.token_limit() is None and model.is_whole and room >= 1:
+            # No max_tokens: the rest of the context, or of what this node's KV holds.
+            max_tokens = min(max_tokens, room)
         gen_request = GenerationRequest(
             request_id=request_id,
             model_id=model.model_id,

@@ -107,7 +107,7 @@ class _Prefix:
     module: Stage
     cache: Any
     held: int  # positions its buffer holds (at least its tokens)
-    prompt_length: int  # a next turn repeats at least this much (its whole prompt)
+    prompt_length: int  # a next turn repeats more than this (its whole prompt and more)
 
 
 class StageRuntime:
@@ -198,9 +198,10 @@ class StageRuntime:
             if kept.module is not module:
                 continue
             shared = _shared_start(kept.tokens, prompt)
-            # A continuation of that conversation (its whole prompt, then some of its
-            # reply), not merely another request with the same system prompt.
-            if shared >= kept.prompt_length and shared > best:
+            # A continuation of that conversation: its whole prompt and then some of its
+            # reply. Not another request with the same system prompt, nor the same
+            # prompt again (that one's reply is then exactly a fresh prefill's).
+            if shared > kept.prompt_length and shared > best:
                 best_key, best = key, shared
         best = min(best, len(prompt) - 1)  # the last prompt token is run for its logits
         if best_key is None or best < MIN_PREFIX_TOKENS:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.conftest import NodeProcess, http_json, running_node, wait_until
-from tests.e2e.concurrent import eight_bodies, references, stream_all
+from tests.e2e.many_streams import eight_bodies, references, stream_all
 from tests.e2e.test_pipeline import Swarm, chat_body
 
 pytestmark = pytest.mark.e2e
@@ -104,6 +104,11 @@ def test_a_hundred_streams_on_one_node_all_finish(small_budget_node: NodeProcess
     assert "OverloadedError" not in node.log_text()
     status, reply, _ = http_json(f"{node.url}/v1/chat/completions", chat_body("Hi.", 2000))
     assert status == 413 and "1,500" in reply["error"]["message"]
+    # No max_tokens: the reply may run to the end of the budget, not of the context.
+    unbounded = chat_body("Count from one to five.", 1)
+    del unbounded["max_tokens"]
+    status, reply, _ = http_json(f"{node.url}/v1/chat/completions", unbounded)
+    assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 def _metric(node: NodeProcess, name: str) -> float:

@@ -217,7 +217,7 @@ def test_client_gone_frees_the_session_on_every_stage(three_stages: Swarm) -> No
 def test_eight_streams_through_three_stages_each_equal_their_reply_alone(
     three_stages: Swarm, embedded_node: NodeProcess
 ) -> None:
-    from tests.e2e.concurrent import eight_bodies, references, stream_all  # built on Stream
+    from tests.e2e.many_streams import eight_bodies, references, stream_all  # built on Stream
 
     bodies = eight_bodies(stream=True)
     expected = references(embedded_node, bodies)

@@ -279,3 +279,19 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
         small.step(f"c{i}", torch.tensor([ids]), True)
         small.close(f"c{i}")
     assert small.prefix_held_tokens <= 50 and list(small._prefixes) == ["c2"]
+
+
+def test_the_same_prompt_again_is_not_served_from_the_cache(tmp_path: Path) -> None:
+    """A repeat shares only the prompt: prefilled afresh, its reply is the first one's."""
+    from swarmd.model.runtime import StageRuntime
+    from swarmd.model.sampling import SamplingParams
+
+    path, _ = make_tiny("llama", tmp_path)
+    runtime = StageRuntime(lean(path), max_sessions=2, prefix_tokens=400)
+    ids = prompt(24, seed=5)[0].tolist()
+    for sid in ("first", "again"):
+        assert runtime.open(sid, 64, SamplingParams(temperature=0.0), prompt=ids) == 0
+        runtime.step(sid, torch.tensor([ids]), True)
+        runtime.step(sid, torch.tensor([[7]]), True)
+        runtime.close(sid)
+    assert runtime.prefix_hits == 0

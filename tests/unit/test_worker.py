@@ -38,8 +38,10 @@ class FakeRuntime:
         sampling: SamplingParams | None,
         history: list[int] | None = None,
         layers: LayerRange | None = None,
-    ) -> None:
+        prompt: list[int] | None = None,
+    ) -> int:
         self.calls.append(("open", session_id, threading.current_thread().name))
+        return 0
 
     def step(
         self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
