@@ -12,7 +12,7 @@ The fixed write checks for cancellation *before* it encrypts, so a caller that w
 cancelled already loses nothing, and once a message is encrypted it is written under a
 shield with its own deadline. A write that misses that deadline leaves the stream of
 nonces broken for good, so the connection is closed at once rather than left to fail at
-the peer's next read.
+the peer's next read, and every later write on it fails at once.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from libp2p.security.noise import io as noise_io
 
 log = logging.getLogger(__name__)
 
-WRITE_DEADLINE_S = 30.0  # one encrypted message onto the socket; longer: the peer is gone
+WRITE_DEADLINE_S = 10.0  # one encrypted message onto the socket; longer: the peer is gone
 _CLOSE_TIMEOUT_S = 1.0
 _MARK = "_swarmd_cancel_safe"
+_BROKEN = "_swarmd_write_broken"  # set on a connection whose nonces went out of step
 
 WriteMsg = Callable[..., Awaitable[None]]
 
@@ -39,12 +40,17 @@ def cancel_safe(write_msg: WriteMsg, deadline_s: float = WRITE_DEADLINE_S) -> Wr
 
     @functools.wraps(write_msg)
     async def wrapped(self: Any, msg: bytes, prefix_encoded: bool = False) -> None:
+        if getattr(self, _BROKEN, False):
+            # Fail at once: every later write would wait out its own deadline (libp2p's
+            # shielded cleanups write resets one after another).
+            raise trio.BrokenResourceError("Noise connection already broken")
         await trio.lowlevel.checkpoint_if_cancelled()  # before a nonce is spent
         written = False
         with trio.move_on_after(deadline_s, shield=True):
             await write_msg(self, msg, prefix_encoded)
             written = True
         if not written:
+            setattr(self, _BROKEN, True)
             log.warning("a Noise write took over %g s: connection closed", deadline_s)
             with trio.move_on_after(_CLOSE_TIMEOUT_S, shield=True):
                 await self.read_writer.close()

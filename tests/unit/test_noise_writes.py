@@ -114,5 +114,8 @@ def test_a_write_past_its_deadline_closes_the_connection() -> None:
         with pytest.raises(trio.BrokenResourceError, match="not done in"):
             await write(conn, b"stuck")
         assert sock.closed
+        with trio.fail_after(0.01):  # no second wait for a connection already broken
+            with pytest.raises(trio.BrokenResourceError, match="already broken"):
+                await write(conn, b"next")
 
     run(test)
