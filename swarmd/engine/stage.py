@@ -258,6 +258,42 @@ class LeanStage:
             down = self._rms(down.to(ACT), block.post_mlp_norm)
         return x + down
 
+    def _rotated_qkv(
+        self,
+        block: LayerWeights,
+        rows: slice,
+        batch: int,
+        count: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        fused: torch.Tensor | None,
+        q_all: torch.Tensor,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed, rotated) and v of `rows` of [M, ...] as [batch, heads, count, D]."""
+        spec = self.spec
+        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        if fused is not None:
+            picked = fused[rows]
+            # q and k side by side: one rotary pass over both.
+            qk = picked[:, : self._q_size + self._kv_size].view(
+                batch, count, heads + kv_heads, head_dim
+            )
+            qk = _rotate(qk, cos, sin)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
+            v = picked[:, self._q_size + self._kv_size :]
+        else:
+            q = q_all[rows].view(batch, count, heads, head_dim)
+            k = k_all[rows].view(batch, count, kv_heads, head_dim)
+            v = v_all[rows]
+            if block.q_norm is not None and block.k_norm is not None:
+                q = self._rms(q, block.q_norm)
+                k = self._rms(k, block.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        v = v.reshape(batch, count, kv_heads, head_dim)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
     def _attend_decodes(
         self,
         block: LayerWeights,
@@ -277,22 +313,8 @@ class LeanStage:
         heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
         batch = len(parts)
         cos, sin = rope[block.kind]
-        if fused is not None:
-            qk = fused[:, : self._q_size + self._kv_size].view(batch, 1, heads + kv_heads, head_dim)
-            qk = _rotate(qk, cos, sin)
-            q, k = qk[:, :, :heads], qk[:, :, heads:]
-            v = fused[:, self._q_size + self._kv_size :]
-        else:
-            q = q_all.view(batch, 1, heads, head_dim)
-            k = k_all.view(batch, 1, kv_heads, head_dim)
-            v = v_all
-            if block.q_norm is not None and block.k_norm is not None:
-                q = self._rms(q, block.q_norm)
-                k = self._rms(k, block.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q = q.transpose(1, 2)  # [B, heads, 1, D]
-        k = k.transpose(1, 2)  # [B, kv, 1, D]
-        v = v.reshape(batch, 1, kv_heads, head_dim).transpose(1, 2)
+        rows = slice(0, batch)
+        q, k, v = self._rotated_qkv(block, rows, batch, 1, cos, sin, fused, q_all, k_all, v_all)
         gqa = heads != kv_heads
         outs = []
         for i, part in enumerate(parts):
@@ -322,24 +344,8 @@ class LeanStage:
         heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
         lo, count, step = part.offset, part.count, part.step
         cos, sin = step.rope[block.kind]
-        if fused is not None:
-            rows = fused[lo : lo + count]
-            # q and k side by side: one rotary pass over both.
-            qk = rows[:, : self._q_size + self._kv_size].view(1, count, heads + kv_heads, head_dim)
-            qk = _rotate(qk, cos, sin)
-            q, k = qk[:, :, :heads], qk[:, :, heads:]
-            v = rows[:, self._q_size + self._kv_size :]
-        else:
-            q = q_all[lo : lo + count].view(1, count, heads, head_dim)
-            k = k_all[lo : lo + count].view(1, count, kv_heads, head_dim)
-            v = v_all[lo : lo + count]
-            if block.q_norm is not None and block.k_norm is not None:
-                q = self._rms(q, block.q_norm)
-                k = self._rms(k, block.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q = q.transpose(1, 2)  # [1, heads, T, D]
-        k = k.transpose(1, 2)  # [1, kv, T, D]
-        v = v.reshape(1, count, kv_heads, head_dim).transpose(1, 2)
+        rows = slice(lo, lo + count)
+        q, k, v = self._rotated_qkv(block, rows, 1, count, cos, sin, fused, q_all, k_all, v_all)
         first, mask = step.masks(block.kind)
         keys, values = part.cache.write_and_read(index, k, v, step.start, first)  # [1, kv, L, D]
         gqa = heads != kv_heads

@@ -260,7 +260,7 @@ class StageRuntime:
         module = group[0][1].module
         started = time.perf_counter()
         outs = module.forward_many([Row(req.inputs, s.cache, req.alone) for _, s, req in group])
-        results = []
+        sampled: list[tuple[int, torch.Tensor, int | None]] = []
         for (i, session, req), out in zip(group, outs, strict=True):
             session.length += int(req.inputs.shape[1])  # the cache holds them now
             if session.tokens is not None:
@@ -268,16 +268,16 @@ class StageRuntime:
             token = None
             if module.is_last and req.want_token and session.sampler is not None:
                 token = session.sampler.sample(out[0])
-            results.append((i, session, req, out, token))
+            sampled.append((i, out, token))
         elapsed = time.perf_counter() - started
         if self._on_step is not None:
             self._on_step(elapsed)
         self.batches += 1
         self.batched_rows += len(group)
         self.last_batch = len(group)
+        hidden = not module.is_last
         return [
-            (i, StepResult(None if module.is_last else out, token, elapsed))
-            for i, _, _, out, token in results
+            (i, StepResult(out if hidden else None, token, elapsed)) for i, out, token in sampled
         ]
 
     def warm_up(self) -> None:

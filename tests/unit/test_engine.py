@@ -295,3 +295,36 @@ def test_the_same_prompt_again_is_not_served_from_the_cache(tmp_path: Path) -> N
         runtime.step(sid, torch.tensor([[7]]), True)
         runtime.close(sid)
     assert runtime.prefix_hits == 0
+
+
+def test_two_conversations_continue_at_once_each_from_its_own_cache(tmp_path: Path) -> None:
+    """Prefix reuse with several sessions: two finished conversations, both next turns
+    opened together and prefilled in one batched forward, each reusing its own cache."""
+    from swarmd.model.runtime import StageRuntime, StepRequest
+    from swarmd.model.sampling import SamplingParams
+
+    path, _ = make_tiny("llama", tmp_path)
+    stage = lean(path)
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
+    greedy = SamplingParams(temperature=0.0)
+    turns = []
+    for i in range(2):
+        ids = prompt(20 + i, seed=40 + i)[0].tolist()
+        runtime.open(f"a{i}", 96, greedy, prompt=ids)
+        first = runtime.step(f"a{i}", torch.tensor([ids]), True).token
+        second = runtime.step(f"a{i}", torch.tensor([[first]]), True).token
+        runtime.close(f"a{i}")
+        turns.append([*ids, first, second, *prompt(5, seed=50 + i)[0].tolist()])
+    reused = [runtime.open(f"b{i}", 96, greedy, prompt=t) for i, t in enumerate(turns)]
+    assert reused == [21, 22]  # each its own prompt and first reply token
+    outcomes = runtime.step_many(
+        [
+            StepRequest(f"b{i}", torch.tensor([t[n:]]), True)
+            for i, (t, n) in enumerate(zip(turns, reused, strict=True))
+        ]
+    )
+    for i, turn in enumerate(turns):
+        fresh = StageRuntime(stage, max_sessions=1)
+        fresh.open("f", 96, greedy)
+        assert fresh.step("f", torch.tensor([turn]), True).token == outcomes[i].token
+    assert runtime.prefix_hits == 2
