@@ -28,6 +28,7 @@ import trio
 
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
+from swarmd.dht.swarm import SwarmPresence, SwarmSettings
 from swarmd.dtypes import AUTO, default_compute_dtype, label_formats
 from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError, SwarmError
 from swarmd.model.hashing import missing_files
@@ -35,12 +36,11 @@ from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
 from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, exclusive, resolve_model
-from swarmd.net.fetch import Fetcher, FetchSettings
-from swarmd.net.files import call_manifest
 from swarmd.net.identity import Identity
 from swarmd.net.progress import RichProgress
-from swarmd.net.swarm import SwarmPresence, SwarmSettings
 from swarmd.pipeline.placement import Placement, choose_layers
+from swarmd.transfer.fetch import Fetcher, FetchSettings
+from swarmd.transfer.files import call_manifest
 
 log = logging.getLogger(__name__)
 

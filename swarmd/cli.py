@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -153,11 +154,21 @@ def _ask(call: Coroutine[Any, Any, T]) -> T:
         raise typer.Exit(1) from exc
 
 
+# The API token for the client commands; never echoed, never logged.
+Token = Annotated[
+    str | None,
+    typer.Option(envvar="SWARMD_TOKEN", help="API token (sk-swarm-...), if the node needs one."),
+]
+Url = Annotated[str, typer.Option(help="The node's API.")]
+DEFAULT_URL = "http://127.0.0.1:8800"
+
+
 @app.command()
 def chat(
     prompt: Annotated[str, typer.Argument(help="What to ask.")],
     model: Annotated[str | None, typer.Option(help="Model id (default: the node's first).")] = None,
-    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
     max_tokens: Annotated[int | None, typer.Option(help="Longest reply, in tokens.")] = None,
     temperature: Annotated[float | None, typer.Option(help="0 = greedy.")] = None,
     system: Annotated[str | None, typer.Option(help="A system prompt.")] = None,
@@ -171,7 +182,9 @@ def chat(
     messages.append({"role": "user", "content": prompt})
     options = {"max_tokens": max_tokens, "temperature": temperature}
     summary = _ask(
-        stream_chat(url, model, messages, {k: v for k, v in options.items() if v is not None})
+        stream_chat(
+            url, model, messages, {k: v for k, v in options.items() if v is not None}, token
+        )
     )
     typer.echo("")
     if summary:
@@ -179,16 +192,14 @@ def chat(
 
 
 @app.command()
-def peers(
-    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
-) -> None:
+def peers(url: Url = DEFAULT_URL, token: Token = None) -> None:
     """List the peers a running node knows: RTT, state and the layers they serve."""
     from rich.console import Console
     from rich.table import Table
 
     from swarmd.client import get_json
 
-    report = _ask(get_json(url, "/api/peers"))
+    report = _ask(get_json(url, "/api/peers", token))
     table = Table(title=f"peers of {report['peer_id']}")
     for column in ("peer", "connected", "rtt ms", "last seen", "serves", "failures"):
         table.add_column(column)
@@ -208,7 +219,8 @@ def peers(
 
 @app.command()
 def diagnostics(
-    url: Annotated[str, typer.Option(help="The node's API.")] = "http://127.0.0.1:8800",
+    url: Url = DEFAULT_URL,
+    token: Token = None,
     full: Annotated[
         bool, typer.Option("--full", help="Keep IP addresses and host names (not for sharing).")
     ] = False,
@@ -216,8 +228,102 @@ def diagnostics(
     """Print a node's report: peers, coverage, last requests, failures, sessions."""
     from swarmd.client import get_text
 
-    text = _ask(get_text(url, "/api/admin/diagnostics" + ("?full=1" if full else "")))
+    text = _ask(get_text(url, "/api/admin/diagnostics" + ("?full=1" if full else ""), token))
     typer.echo(text, nl=False)
+
+
+@app.command()
+def models(url: Url = DEFAULT_URL, token: Token = None) -> None:
+    """List the models a running node answers for, with their layer coverage."""
+    from swarmd.client import get_json
+
+    listing = _ask(get_json(url, "/v1/models", token))
+    for entry in listing["data"]:
+        swarm = entry.get("swarm", {})
+        coverage = ",".join(f"{a}:{b}" for a, b in swarm.get("coverage", []))
+        state = "routable" if swarm.get("routable") else "not routable"
+        holders = len(swarm.get("holders", []))
+        typer.echo(
+            f"{entry['id']}  layers {coverage or '-'} of {swarm.get('num_layers', '?')}  "
+            f"{holders} holder(s)  {state}"
+        )
+
+
+token_app = typer.Typer(help="API tokens: create, list and revoke (stored hashed).")
+app.add_typer(token_app, name="token")
+
+DataDir = Annotated[
+    Path | None, typer.Option(help="The node's data dir (default: from --port / the config).")
+]
+Port = Annotated[int | None, typer.Option(help="The node's API port, to find its data dir.")]
+ConfigFile = Annotated[Path | None, typer.Option("--config", help="The node's TOML config.")]
+
+
+@contextlib.contextmanager
+def _config_errors() -> Iterator[None]:
+    """A bad setting or token name: its message and exit 2, no traceback."""
+    try:
+        yield
+    except SwarmError as exc:
+        typer.echo(f"swarmd: error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+def _token_store(data_dir: Path | None, port: int | None, config: Path | None) -> Any:
+    from swarmd.api.tokens import TokenStore
+    from swarmd.config import load_config
+
+    flags: dict[str, object] = {"data_dir": data_dir, "port": port}
+    with _config_errors():
+        return TokenStore(load_config(flags, config, os.environ).data_dir)
+
+
+@token_app.command("create")
+def token_create(
+    label: Annotated[str, typer.Option(help="A name to list and revoke it by.")] = "",
+    scope: Annotated[
+        str, typer.Option(help="infer: the OpenAI API; admin: also /api/* and /metrics.")
+    ] = "infer",
+    data_dir: DataDir = None,
+    port: Port = None,
+    config: ConfigFile = None,
+) -> None:
+    """Create a token and print it once (only its SHA-256 is kept)."""
+    store = _token_store(data_dir, port, config)
+    with _config_errors():
+        entry, secret = store.create(label, scope)
+    typer.echo(secret)
+    typer.echo(
+        f"token {entry.id} ({entry.scope}{', ' + entry.label if entry.label else ''}) saved to "
+        f"{store.path}; it is shown only now. A running node takes it at once.",
+        err=True,
+    )
+
+
+@token_app.command("list")
+def token_list(data_dir: DataDir = None, port: Port = None, config: ConfigFile = None) -> None:
+    """List the tokens: id, scope, label, created (never the tokens themselves)."""
+    import datetime
+
+    store = _token_store(data_dir, port, config)
+    for entry in store.entries():
+        created = datetime.datetime.fromtimestamp(entry.created).isoformat(timespec="seconds")
+        typer.echo(f"{entry.id}  {entry.scope:<5}  {created}  {entry.label or '-'}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(metavar="ID|LABEL", help="Which token.")],
+    data_dir: DataDir = None,
+    port: Port = None,
+    config: ConfigFile = None,
+) -> None:
+    """Revoke a token by id or label; a running node refuses it from its next request."""
+    store = _token_store(data_dir, port, config)
+    with _config_errors():
+        gone = store.revoke(token_id)
+    for entry in gone:
+        typer.echo(f"revoked {entry.id} ({entry.label or 'no label'})")
 
 
 @app.command()

@@ -15,14 +15,22 @@ class ClientError(SwarmError):
     """The node could not be reached or answered with an error."""
 
 
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 async def stream_chat(
-    url: str, model: str | None, messages: list[dict[str, Any]], options: dict[str, Any]
+    url: str,
+    model: str | None,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    token: str | None = None,
 ) -> str:
     """Stream a chat reply to stdout; return a one-line summary of the route and speed."""
     base = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers(token)) as http:
             model = model or await _first_model(http, base)
             body = {"model": model, "messages": messages, "stream": True, **options}
             body["stream_options"] = {"include_usage": True}
@@ -34,18 +42,18 @@ async def stream_chat(
         raise ClientError(f"cannot reach {base}: {exc}") from exc
 
 
-async def get_json(url: str, path: str) -> Any:
+async def get_json(url: str, path: str, token: str | None = None) -> Any:
     """GET a JSON document from a node."""
-    return json.loads(await get_text(url, path))
+    return json.loads(await get_text(url, path, token))
 
 
-async def get_text(url: str, path: str) -> str:
+async def get_text(url: str, path: str, token: str | None = None) -> str:
     """GET a document from a node, as text."""
     base = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=60)
     try:
         async with (
-            aiohttp.ClientSession(timeout=timeout) as http,
+            aiohttp.ClientSession(timeout=timeout, headers=auth_headers(token)) as http,
             http.get(f"{base}{path}") as response,
         ):
             if response.status != 200:
@@ -66,9 +74,12 @@ async def _first_model(http: aiohttp.ClientSession, base: str) -> str:
 
 
 async def _error_text(response: aiohttp.ClientResponse) -> str:
+    hint = ""
+    if response.status == 401:
+        hint = " (pass --token or set SWARMD_TOKEN)"
     try:
         error = (await response.json())["error"]
-        return f"HTTP {response.status}: {error['message']}"
+        return f"HTTP {response.status}: {error['message']}{hint}"
     except (aiohttp.ContentTypeError, KeyError, TypeError, json.JSONDecodeError):
         return f"HTTP {response.status}: {await response.text()}"
 

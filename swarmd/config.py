@@ -53,6 +53,12 @@ class Config:
     torch_threads: int = 0  # 0 = one per physical core
     prefill_chunk_tokens: int = 256  # prompt tokens per forward step
     max_sessions: int = 32  # sessions in flight on this node (they share its forwards)
+    max_remote_sessions: int = 64  # other peers' stage sessions here at once, on top of
+    # max_sessions (so peers never take this node's own slots)
+    max_peer_sessions: int = 32  # stage sessions one peer may hold here at once
+    remote_kv_share: float = 0.75  # of the KV budget, what other peers' sessions may hold
+    # together (the rest is kept for this node's own requests)
+    peer_kv_share: float = 0.5  # of the KV budget, what one peer's sessions may hold
     queue_timeout_s: float = 300.0  # a request waiting longer for room gets 503
     kv_budget_tokens: int = 0  # KV cache tokens this node's layers hold; 0 = half the free
     # memory after loading
@@ -60,11 +66,23 @@ class Config:
     # (on top of the budget); -1 = an eighth of the KV budget, 0 = off
     step_timeout_s: float = 60.0  # one forward step on the worker
     max_body_bytes: int = 1_048_576  # larger request bodies get 413
+    require_api_token: bool = False  # refuse API requests without a token even before
+    # one exists (tokens are enforced anyway once `swarmd token create` made one)
+    allow_open_api: bool = False  # let a node listen beyond loopback with no API token
+    allowed_origins: tuple[str, ...] = ()  # web origins (https://app.example) whose pages may
+    # call this node from a browser; "*" = any. The node's own page is always allowed
+    http_head_timeout_s: float = 10.0  # a request head must arrive within this
+    http_body_timeout_s: float = 30.0  # and its body within this
+    http_keepalive_timeout_s: float = 15.0  # an idle kept-alive connection is closed after
+    max_connections: int = 1024  # open API connections in all; more get 503 and are closed
+    max_connections_per_client: int = 256  # open API connections from one address
+    max_queued_requests: int = 256  # requests waiting for a session slot; more get 503
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     log_level: str = "INFO"  # one of LOG_LEVELS
     layers: str = ""  # "START:END" to serve part of the model; "" = every layer; "auto"
     memory_budget_gb: float = 0.0  # memory for this node's layers (--layers auto); 0 = free now
     max_file_transfers: int = 4  # model files served to peers at once
+    max_peer_file_transfers: int = 2  # of those, to one peer at once
     upload_limit_mb_s: float = 0.0  # MB/s of model files served to peers; 0 = no limit
     fetch_timeout_s: float = 600.0  # a model file no peer can supply this long: give up
     p2p_host: str = "127.0.0.1"  # libp2p listen address (0.0.0.0 lets other machines in)
@@ -105,12 +123,27 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "torch_threads": (lambda v: v >= 0, ">= 0 (0 = one per physical core)"),
     "prefill_chunk_tokens": (lambda v: v >= 1, ">= 1"),
     "max_sessions": (lambda v: v >= 1, ">= 1"),
+    "max_remote_sessions": (lambda v: v >= 0, ">= 0 (0 = serve no other peer's sessions)"),
+    "max_peer_sessions": (lambda v: v >= 1, ">= 1"),
+    "remote_kv_share": (lambda v: math.isfinite(v) and 0 <= v <= 1, "in 0..1"),
+    "peer_kv_share": (lambda v: math.isfinite(v) and 0 < v <= 1, "in 0..1, above 0"),
     "queue_timeout_s": (_finite_positive, "a finite number > 0"),
     "kv_budget_tokens": (lambda v: v >= 0, ">= 0 (0 = measured from free memory)"),
     "prefix_cache_tokens": (lambda v: v >= -1, ">= -1 (-1 = an eighth of the KV budget)"),
     "step_timeout_s": (_finite_positive, "a finite number > 0"),
     "max_body_bytes": (lambda v: v >= 1024, ">= 1024"),
-    "default_temperature": (_finite_non_negative, "a finite number >= 0"),
+    "allowed_origins": (
+        lambda v: all(o == "*" or ("://" in o and not o.endswith("/")) for o in v),
+        'origins like https://app.example or http://localhost:3000 (no path), or "*"',
+    ),
+    "http_head_timeout_s": (_finite_positive, "a finite number > 0"),
+    "http_body_timeout_s": (_finite_positive, "a finite number > 0"),
+    "http_keepalive_timeout_s": (_finite_positive, "a finite number > 0"),
+    "max_connections": (lambda v: v >= 1, ">= 1"),
+    "max_connections_per_client": (lambda v: v >= 1, ">= 1"),
+    "max_queued_requests": (lambda v: v >= 1, ">= 1"),
+    # The API's own bound (pipeline/bounds.py): a default above it would be refused.
+    "default_temperature": (lambda v: math.isfinite(v) and 0 <= v <= 2, "in 0..2"),
     "log_level": (lambda v: v in LOG_LEVELS, f"one of {', '.join(LOG_LEVELS)}"),
     "layers": (
         lambda v: v in ("", "auto") or v.count(":") == 1,
@@ -118,6 +151,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "memory_budget_gb": (_finite_non_negative, "a finite number >= 0"),
     "max_file_transfers": (lambda v: v >= 1, ">= 1"),
+    "max_peer_file_transfers": (lambda v: v >= 1, ">= 1"),
     "upload_limit_mb_s": (_finite_non_negative, "a finite number >= 0"),
     "fetch_timeout_s": (_finite_positive, "a finite number > 0"),
     "p2p_host": (lambda v: v != "", "a non-empty address"),
@@ -219,6 +253,13 @@ def _from_string(name: str, kind: type, text: str, source: str) -> object:
         return Path(text).expanduser()
     if kind is str:
         return text
+    if kind is bool:
+        word = text.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off", ""):
+            return False
+        raise ConfigError(f"{name}: cannot read {text!r} as true or false (from {source})")
     try:
         return kind(text)
     except ValueError as exc:
@@ -229,8 +270,9 @@ def _from_string(name: str, kind: type, text: str, source: str) -> object:
 
 def _from_value(name: str, kind: type, value: object, source: str) -> object:
     """Check a TOML (or non-str flag) value against the field's type; no lossy conversions."""
-    if isinstance(value, bool):  # bool is an int subclass; no field is a bool
-        pass
+    if isinstance(value, bool):  # bool is an int subclass: only a bool field takes one
+        if kind is bool:
+            return value
     elif kind == _STR_TUPLE:
         if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
             return tuple(value)

@@ -36,12 +36,15 @@
     │   │   ├── FrameTooLargeError  declared length over the frame limit, refused unread
     │   │   ├── FrameBufferError    more bytes buffered than the cap
     │   │   └── MalformedFrameError not a msgpack map within the limits
+    │   │       └── FrameBudgetError more items or deeper nesting than a frame may hold
     │   ├── SendTimeoutError        the peer stopped reading (send_timeout_s)
     │   ├── RecvTimeoutError        no whole frame within the read timeout
     │   ├── RpcTimeoutError         a remote call ran past its timeout (peer, method)
     │   ├── RemoteError             the peer's handler failed (peer, method, type, message)
     │   ├── StageRefusedError       a stage will not open a session it cannot serve
-    │   └── StageFailedError        a stage of a route failed (peer, kind: lost|bad|refused)
+    │   │   └── RequestRefusedError because of what the request asked (status, param)
+    │   └── StageFailedError        a stage of a route failed (peer, kind: lost|bad|declined)
+    │       └── UnconfirmedReportError  a report naming a peer that answered our check
     └── InternalError               a bug or a worker failure          -> 500
 
 Library errors are translated into this tree where they are caught (`raise ... from exc`);
@@ -284,10 +287,39 @@ class StageRefusedError(PeerError):
 class StageFailedError(PeerError):
     """A stage of a distributed route failed; `peer_id` names the culprit when known.
 
-    kind: "lost" (connection gone or silent), "bad" (sent garbage: banned), "refused"
-    (would not open the session).
+    kind: "lost" (connection gone or silent), "bad" (sent garbage: banned), "declined"
+    (would not open the session now or here: left out of this request only).
     """
 
     def __init__(self, message: str, peer_id: str | None, kind: str) -> None:
         super().__init__(message, peer_id)
         self.kind = kind
+
+
+class FrameBudgetError(MalformedFrameError):
+    """A frame body with more msgpack items, or deeper nesting, than a frame may hold."""
+
+
+class RequestRefusedError(StageRefusedError):
+    """A stage will not serve what the request asked (a sampling value out of bounds, a
+    session longer than it holds): the request fails with `status` (400 or 413) naming
+    `param`; nobody is banned and nothing fails over."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class UnconfirmedReportError(StageFailedError):
+    """A stage's report named another peer, and that peer answered this node's own check:
+    it is avoided for this request only. When the check `disproved` the report (a peer
+    said lost answers a ping; a peer not on the route sent nothing), the `reporter` (the
+    peer that handed it over) is charged with a false report."""
+
+    def __init__(
+        self, message: str, peer_id: str | None, kind: str, reporter: str, disproved: bool
+    ) -> None:
+        super().__init__(message, peer_id, kind)
+        self.reporter = reporter
+        self.disproved = disproved

@@ -22,10 +22,14 @@ from aiohttp import web
 
 from swarmd import __version__
 from swarmd.acquire import acquire
+from swarmd.api.access import is_loopback_name
 from swarmd.api.app import create_app
+from swarmd.api.edge import Edge, EdgeLimits, listen
 from swarmd.api.metrics import NodeMetrics, NodeState
+from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
+from swarmd.dht.swarm import SwarmPresence, SwarmSettings
 from swarmd.errors import ConfigError, InternalError, SwarmError
 from swarmd.model.loader import LoadedModel, load_model
 from swarmd.model.memory import (
@@ -40,18 +44,17 @@ from swarmd.model.worker import TorchWorker
 from swarmd.model.worker_trio import run_job
 from swarmd.net.auth import load_swarm_key
 from swarmd.net.bridge import TrioBridge
-from swarmd.net.files import FileServer, FileServeSettings
 from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.peers import BanRow, PeerRow
-from swarmd.net.swarm import SwarmPresence, SwarmSettings
-from swarmd.pipeline.admission import KVBudget
+from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
 from swarmd.pipeline.report import FailureRing
 from swarmd.pipeline.ring import RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 from swarmd.pipeline.wire import StageLimits
+from swarmd.transfer.files import FileServer, FileServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +76,34 @@ class Node:
         self.config = config
         self.identity = identity
         self.model = model
+        self.tokens = TokenStore(Path(config.data_dir))
+        self.edge = Edge(
+            EdgeLimits(
+                max_connections=config.max_connections,
+                max_connections_per_client=config.max_connections_per_client,
+                head_timeout_s=config.http_head_timeout_s,
+            )
+        )
         self.failures = FailureRing()
         self.metrics = NodeMetrics(self._metrics_state())
         self.kv_bytes_per_token = kv_bytes_per_token(model.config, model.layers.size)
         self.kv_budget = KVBudget(
             config.kv_budget_tokens or auto_kv_budget_tokens(self.kv_bytes_per_token)
         )
+        # Other peers' stage sessions: their own part of the budget, capped per peer.
+        self.peer_budget = PeerBudget(
+            self.kv_budget,
+            PeerLimits(
+                kv_share=config.remote_kv_share,
+                peer_kv_share=config.peer_kv_share,
+                max_sessions=config.max_remote_sessions,
+                max_peer_sessions=config.max_peer_sessions,
+            ),
+        )
         prefix = config.prefix_cache_tokens
         self.runtime = StageRuntime(
             model.stage,
-            config.max_sessions,
+            config.max_sessions + config.max_remote_sessions,  # peers never take ours
             on_step=self.metrics.stage_forward.observe,
             prefix_tokens=self.kv_budget.total // 8 if prefix < 0 else prefix,
         )
@@ -124,12 +145,14 @@ class Node:
         self.api_url = ""
         self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
 
     @classmethod
     def prepare(cls, config: Config) -> Node:
         """The blocking part of start-up: identity and model loading."""
         keep_this_thread_single_threaded()  # only the torch worker runs OpenMP teams
         keep_large_blocks_returnable()
+        check_api_exposure(config)  # before anything slow: a refusal comes at once
         identity = load_or_create_identity(Path(config.data_dir))
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
         # Settled before anything loads: the files (fetched from peers if need be) and
@@ -160,23 +183,31 @@ class Node:
         except SwarmError:
             await self.stop()
             raise
-        self._runner = web.AppRunner(create_app(self), access_log=None)
+        self._runner = web.AppRunner(
+            create_app(self),
+            access_log=None,
+            keepalive_timeout=self.config.http_keepalive_timeout_s,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
         try:
-            await site.start()
+            self._listener = await listen(
+                self._runner, self.edge, self.config.host, self.config.port
+            )
         except OSError as exc:
             await self.stop()
             raise ConfigError(
                 f"Cannot listen on {self.config.host}:{self.config.port}: {exc.strerror} "
                 "(is another node using that port? try --port)"
             ) from exc
-        host, port = self._runner.addresses[0][:2]
-        self.api_url = f"http://{host}:{port}"
+        host, port = self._listener.sockets[0].getsockname()[:2]
+        self.api_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         # The first record went out before the API listened: renew it with the API address.
         await self.bridge.run(self.swarm.announce_now)
 
     async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the runner closes the open ones
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -218,6 +249,9 @@ class Node:
             batch_rows=lambda: self.runtime.last_batch,
             forwards=lambda: self.runtime.batches,
             forward_rows=lambda: self.runtime.batched_rows,
+            background_errors=lambda: self.swarm.loop_errors.as_dict(),
+            http_connections=lambda: self.edge.stats.open,
+            http_refused=lambda: dict(self.edge.stats.refusals),
         )
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
@@ -296,6 +330,7 @@ class Node:
         if manifest is not None:
             settings = FileServeSettings(
                 max_transfers=self.config.max_file_transfers,
+                max_peer_transfers=self.config.max_peer_file_transfers,
                 upload_bytes_per_s=self.config.upload_limit_mb_s * 1e6,
             )
             # Verified at start-up: the files of its layers (others are hashed when asked for).
@@ -325,6 +360,8 @@ class Node:
             self.swarm.ban,
             timeouts,
             self.kv_budget,
+            self.peer_budget,
+            self._signed_addrs,
         )
         self._stage_service = service
         try:
@@ -332,11 +369,24 @@ class Node:
         finally:
             self._stage_service = None
 
+    async def _signed_addrs(self, peer_id: str, fresh: bool) -> frozenset[str] | None:
+        """Trio side: the addresses `peer_id`'s signed record for this model lists (None:
+        no live record): from the last lookup, or, `fresh`, from a new one (a DHT walk)."""
+        model_id = self.model.model_id
+        if fresh:
+            records = await self.swarm.holders(model_id)
+        else:
+            cached = self._holders_cache.get(model_id)
+            records = cached[1] if cached is not None else []
+        for record in records:
+            if record.peer_id == peer_id:
+                return frozenset(record.addrs)
+        return None
+
     def _make_record(self, host: P2PHost) -> NodeRecord:
         # Called on the trio side; trio runs as a guest on this thread, so reading the
         # asyncio side's state here is safe.
         model = self.model
-        free_slots = max(0, self.config.max_sessions - self.runtime.session_count)
         return NodeRecord(
             peer_id=self.identity.peer_id,
             model_id=model.model_id,
@@ -346,8 +396,10 @@ class Node:
             num_layers=model.num_layers,
             dtype=model.dtype_name,
             weights=model.weights,
-            free_kv_tokens=self.kv_budget.free if free_slots else 0,
-            kv_budget_tokens=self.kv_budget.total,
+            # What a session of another peer's route can get: the routes' 413 check
+            # (route_capacity) must see the per-peer cap, or every stage would decline.
+            free_kv_tokens=min(self.peer_budget.free, self.peer_budget.per_peer),
+            kv_budget_tokens=min(self.peer_budget.per_peer, self.peer_budget.total),
             throughput_tps=self.coordinator.recent_tokens_per_second(),
             state="ready",
             addrs=tuple(host.addrs[:16]),
@@ -355,6 +407,27 @@ class Node:
             version=__version__,
             expires_at=time.time() + self.config.record_ttl_s,
         )
+
+
+def check_api_exposure(config: Config) -> None:
+    """Refuse to serve the API beyond loopback with nothing to keep strangers out."""
+    if is_loopback_name(config.host):
+        return
+    if TokenStore(Path(config.data_dir)).enforced or config.require_api_token:
+        return
+    if config.allow_open_api:
+        log.warning(
+            "the API listens on %s with no API token: anyone who reaches it can use this "
+            "node (allow_open_api is set)",
+            config.host,
+        )
+        return
+    raise ConfigError(
+        f"The API would listen on {config.host}, beyond this machine, with no API token. "
+        f"Create one first: swarmd token create --data-dir {config.data_dir} "
+        "(clients then send 'Authorization: Bearer sk-swarm-...'), or set "
+        "allow_open_api = true to serve it open"
+    )
 
 
 def _swarm_settings(config: Config) -> SwarmSettings:

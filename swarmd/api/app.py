@@ -13,6 +13,7 @@ from aiohttp import web
 
 from swarmd import __version__
 from swarmd.api import keys
+from swarmd.api.access import auth_middleware, body_middleware, edge_middleware
 from swarmd.api.completions import chat_completions, completions
 from swarmd.api.diagnostics import build_report
 from swarmd.api.errors import Handler, error_middleware
@@ -27,6 +28,17 @@ log = logging.getLogger(__name__)
 
 WEB_DIR = Path(__file__).resolve().parent.parent / "web"
 HOLDERS_TIMEOUT_S = 30.0  # above discovery's own worst case (lookup + rpc + record)
+
+
+@web.middleware
+async def connection_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tells the connection's guard (edge.py) that its head arrived: its deadline is over."""
+    edge = request.app[keys.NODE].edge
+    edge.request_started(request.transport)
+    try:
+        return await handler(request)
+    finally:
+        edge.request_done(request.transport)
 
 
 @web.middleware
@@ -47,7 +59,14 @@ async def request_id_middleware(request: web.Request, handler: Handler) -> web.S
 def create_app(node: Node) -> web.Application:
     app = web.Application(
         client_max_size=node.config.max_body_bytes,
-        middlewares=[request_id_middleware, error_middleware],
+        middlewares=[
+            connection_middleware,
+            request_id_middleware,
+            error_middleware,
+            edge_middleware,
+            auth_middleware,
+            body_middleware,
+        ],
     )
     app[keys.NODE] = node
     app[keys.COORDINATOR] = node.coordinator

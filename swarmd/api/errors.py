@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from swarmd.api import keys
+from swarmd.api.redact import Redactor
 from swarmd.errors import (
     AuthError,
     ClientDisconnectedError,
@@ -31,6 +32,12 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def _redacted(exc: BaseException) -> str:
+    """A server-side error's text with addresses replaced by tags: a 503 about a peer
+    must not tell every API client where that peer lives (the log keeps the detail)."""
+    return Redactor().redact(str(exc))
+
+
 def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]]:
     """status, body and extra headers for an error."""
     if isinstance(exc, RequestError):
@@ -40,13 +47,13 @@ def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]
     if isinstance(exc, AuthError):
         return 401, error_body(str(exc), "authentication_error", None, "invalid_api_key"), {}
     if isinstance(exc, UnavailableError):
-        body = error_body(str(exc), "service_unavailable", None, type(exc).__name__)
+        body = error_body(_redacted(exc), "service_unavailable", None, type(exc).__name__)
         return 503, body, {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, PeerError):  # a peer or the link to it failed: worth a retry
-        body = error_body(str(exc), "service_unavailable", None, type(exc).__name__)
+        body = error_body(_redacted(exc), "service_unavailable", None, type(exc).__name__)
         return 503, body, {"Retry-After": "5"}
     if isinstance(exc, ModelError | InternalError | ClientDisconnectedError | SwarmError):
-        return 500, error_body(str(exc), "server_error", None, type(exc).__name__), {}
+        return 500, error_body(_redacted(exc), "server_error", None, type(exc).__name__), {}
     return 500, error_body("Internal server error", "server_error", None, "internal_error"), {}
 
 

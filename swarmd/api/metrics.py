@@ -9,7 +9,8 @@ Names (all `swarmd_`): requests_total{outcome}, prompt_tokens_total,
 generated_tokens_total, ttft_seconds, inter_token_seconds, failovers_total,
 stage_forward_seconds, peers_connected, kv_cache_tokens, sessions, in_flight_requests,
 bytes_sent_total{protocol}, bytes_received_total{protocol}, records_rejected_total{reason},
-peers_banned, file_bytes_served_total, info{version,peer_id,model}.
+peers_banned, file_bytes_served_total, background_errors_total{loop},
+info{version,peer_id,model}.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class NodeState:
     batch_rows: Callable[[], int] = field(default=lambda: 0)
     forwards: Callable[[], int] = field(default=lambda: 0)
     forward_rows: Callable[[], int] = field(default=lambda: 0)
+    background_errors: Callable[[], dict[str, int]] = field(default=dict)  # by loop
+    http_connections: Callable[[], int] = field(default=lambda: 0)
+    http_refused: Callable[[], dict[str, int]] = field(default=dict)  # by reason
 
 
 class NodeMetrics:
@@ -149,6 +153,19 @@ class _StateCollector(Collector):
         served = CounterMetricFamily("swarmd_file_bytes_served", "Model file bytes sent to peers")
         served.add_metric([], s.file_bytes_served())
         yield served
+        yield _counter_by(
+            "swarmd_background_errors",
+            "Rounds of a swarm background loop that failed (the loop went on)",
+            "loop",
+            s.background_errors(),
+        )
+        yield _gauge("swarmd_http_connections", "Open API connections", s.http_connections())
+        yield _counter_by(
+            "swarmd_http_refused",
+            "API connections or requests refused at the edge (caps, deadlines, auth, origin)",
+            "reason",
+            s.http_refused(),
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

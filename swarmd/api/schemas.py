@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI endpoints, validated with pydantic.
 
 Strict types (a string is not a number), unknown fields refused, and every OpenAI
-parameter that swarmd does not serve is named and refused rather than ignored.
+parameter that swarmd does not serve is named and refused rather than ignored. Every
+bound on a value that travels to the stages comes from the one table in
+`swarmd.pipeline.bounds`, which the stage wire checks too: what passes here passes there.
 """
 
 from __future__ import annotations
@@ -13,13 +15,26 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmd.errors import InvalidRequestError, UnsupportedError
 from swarmd.model.text import ChatMessage
+from swarmd.pipeline import bounds
 
 _STRICT = ConfigDict(strict=True, extra="forbid")
 M = TypeVar("M", bound=BaseModel)
 
-Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
-TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+def _number(bound: bounds.NumberBound) -> Any:
+    """The pydantic field of a number in the bounds table."""
+    if bound.lo_open:
+        return Annotated[float, Field(gt=bound.lo, le=bound.hi)]
+    return Annotated[float, Field(ge=bound.lo, le=bound.hi)]
+
+
+Temperature = _number(bounds.TEMPERATURE)
+TopP = _number(bounds.TOP_P)
+MinP = _number(bounds.MIN_P)
+PresencePenalty = _number(bounds.PRESENCE_PENALTY)
+FrequencyPenalty = _number(bounds.FREQUENCY_PENALTY)
+BiasValue = _number(bounds.LOGIT_BIAS_VALUE)
+# No upper bound here: past the context it is a context_length_exceeded naming both numbers.
 MaxTokens = Annotated[int, Field(ge=1)]
 
 
@@ -69,19 +84,25 @@ class SamplingFields(BaseModel):
     model: str
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1 = off (vLLM's extension)
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    # -1 or 0 = off (vLLM's extension); at or over the vocabulary, off too (bounds.wire_top_k)
+    top_k: Annotated[int, Field(ge=bounds.TOP_K_MIN)] | None = None
+    min_p: MinP | None = None
     max_tokens: MaxTokens | None = None
     stop: (
-        str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
+        str
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=bounds.MAX_STOP)]
+        | None
     ) = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # torch's seed range
+    seed: Annotated[int, Field(ge=bounds.SEED_MIN, le=bounds.SEED_MAX)] | None = None
     # OpenAI documents these as nullable, and some clients send null: null = the default.
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: PresencePenalty | None = None
+    frequency_penalty: FrequencyPenalty | None = None
+    # More entries than a stage takes is a 400 naming logit_bias, never a failed route.
+    logit_bias: Annotated[dict[str, BiasValue], Field(max_length=bounds.MAX_LOGIT_BIAS)] | None = (
+        None
+    )
     user: str | None = None
     n: int | None = None
     logprobs: Any = None
@@ -93,8 +114,8 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise UnsupportedError("Only n=1 is supported", "n")
+        if self.n not in (None, bounds.N_MAX):
+            raise UnsupportedError(f"Only n={bounds.N_MAX} is supported", "n")
         if self.logprobs not in (None, False, 0):
             raise UnsupportedError("logprobs are not supported", "logprobs")
         if self.stream_options is not None and not self.stream:

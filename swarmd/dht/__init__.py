@@ -4,4 +4,6 @@
                   record must pass), `record_key` / `model_key` (DHT keys <= 50 bytes)
 - `discovery.py`  `open_discovery` / `Discovery`: bootstrap, announce, withdraw, and
                   `holders(model_id)`; `RecordValidator` for the "swarmd" namespace
+- `swarm.py`      `SwarmPresence`: host + DHT + announcements for one node (trio side);
+                  above net/ because it runs discovery
 """

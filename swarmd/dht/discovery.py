@@ -40,18 +40,24 @@ module; libp2p's own bookkeeping (its 24 h value TTL, 48 h provider TTL) uses re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
-from libp2p.abc import IPeerStore
+from libp2p.abc import INetStream, IPeerStore
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.kad_dht.common import BUCKET_SIZE as PROVIDER_SLOTS
 from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import PeerStoreError
 from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
@@ -70,6 +76,7 @@ from swarmd.dht.records import (
 from swarmd.errors import PeerError, RecordError, WrongOwnerError
 from swarmd.net.host import P2PHost, libp2p_peer_id
 from swarmd.net.identity import Identity
+from swarmd.net.safe_text import safe_text
 
 __all__ = [
     "WITHDRAW_TTL_S",
@@ -83,6 +90,8 @@ log = logging.getLogger(__name__)
 
 MAX_PROVIDERS_PER_ANSWER = 64  # providers taken from one peer's GET_PROVIDERS answer
 MAX_PROVIDERS = 256  # holders of one model looked at per lookup
+_MAX_KNOWN_GOOD = 1024  # holders remembered as having had a valid record
+_VALUE_PEERS = 20  # closest peers asked for a record (libp2p's k)
 
 Clock = Callable[[], float]
 
@@ -90,6 +99,8 @@ WITHDRAW_TTL_S = 5.0  # a withdrawal ("draining") record lives this long
 _ADDR_TTL_S = 600  # how long addresses learned here (providers, add_peer) stay dialable
 _IDENTIFY_POLL_S = 0.02  # add_peer: how often to look whether identify has finished
 _NOISY_DHT_WARNING = "Failed to read DHT message from stream"
+# What resetting a refused peer's stream may raise (it may be gone already).
+_STREAM_ERRORS = (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 @dataclass(frozen=True)
@@ -99,12 +110,13 @@ class DiscoveryConfig:
     lookup_timeout_s: float = 10.0  # an iterative closest-peer lookup (FIND_NODE rounds)
     rpc_timeout_s: float = 5.0  # one request to one peer (GET_PROVIDERS, GET_VALUE)
     record_timeout_s: float = 10.0  # fetching one holder's record (owner + DHT)
+    fetch_timeout_s: float = 15.0  # fetching every holder's record, in one lookup
     publish_timeout_s: float = 15.0  # put_value or provide, in announce / withdraw
     refresh_timeout_s: float = 10.0  # the routing-table refresh after bootstrap
     add_peer_timeout_s: float = 5.0  # adding a peer (pings an old one if a bucket is full)
     stop_timeout_s: float = 5.0  # stopping the DHT service
     withdraw_ttl_s: float = WITHDRAW_TTL_S
-    max_parallel_fetches: int = 16  # holders' records fetched at once (each is a lookup)
+    max_parallel_fetches: int = 32  # holders' records fetched at once (each is a lookup)
 
 
 # --- the validator ----------------------------------------------------------------------
@@ -115,9 +127,10 @@ class RecordValidator(Validator):
 
     libp2p calls `validate` on every value it stores (ours and those other peers send)
     and on every value a lookup receives; raising refuses the value. `select` picks the
-    best of several values for one key: invalid ones lose; a valid "draining" record (a
-    withdrawal, signed by the owner) beats any other state; then the later expiry wins;
-    equal (state, expiry) fall back to the bytes so every node picks the same one.
+    best of several values for one key: invalid ones lose; the higher `seq` (the owner's
+    later record) wins; of equal seq a "draining" record (a withdrawal) beats any other
+    state, then the later expiry wins; equal (seq, state, expiry) fall back to the bytes
+    so every node picks the same one.
     """
 
     def __init__(
@@ -137,20 +150,21 @@ class RecordValidator(Validator):
                 raise WrongOwnerError(f"peer {record.peer_id[-8:]} is refused by this node")
         except RecordError as exc:
             self.stats.reject(exc)
-            log.debug("refused DHT record at %s: %s", key, exc)
+            log.debug("refused DHT record at %s: %s", safe_text(key), safe_text(exc))
             raise
         self.stats.accept()
 
     def select(self, key: str, values: list[bytes]) -> int:
         now = self._clock()
         best_index = 0
-        best_rank: tuple[bool, float, bytes] | None = None
+        best_rank: tuple[int, bool, float, bytes] | None = None
         for index, value in enumerate(values):
             try:
                 record = decode_record_for_key(key, value, now)
             except RecordError:
                 continue
-            rank = (record.state == "draining", record.expires_at, bytes(value))
+            # The owner's latest record first (seq): a replayed older one always loses.
+            rank = (record.seq, record.state == "draining", record.expires_at, bytes(value))
             # `>=`: two copies of the same bytes tie, and the later one (the incoming
             # value, where libp2p compares [stored, incoming]) is taken, not refused.
             if best_rank is None or rank >= best_rank:
@@ -187,6 +201,10 @@ class Discovery:
         self._config = config
         self._local_id = host.libp2p.get_id()
         self._announced: set[str] = set()  # model ids this node announced (not withdrawn)
+        self._expiry: dict[str, float] = {}  # model id -> latest expiry this node signed
+        self._seq = 0  # the seq of the latest record this node signed
+        self._known_good: dict[str, float] = {}  # peer id -> expiry of its valid record
+        self._keep_provider_slots_open(dht.provider_store)
         self._fetch_limiter = trio.CapacityLimiter(config.max_parallel_fetches)
 
     @property
@@ -220,7 +238,7 @@ class Discovery:
                 await self.add_peer(peer_id)
             except PeerError as exc:
                 # One dead bootstrap peer is no reason to stay out of the swarm.
-                log.warning("bootstrap through %s failed: %s", multiaddr, exc)
+                log.warning("bootstrap through %s failed: %s", safe_text(multiaddr), safe_text(exc))
                 failures.append(exc)
                 continue
             peer_ids.append(peer_id)
@@ -274,15 +292,21 @@ class Discovery:
         Stores it at ``record_key`` on the closest peers and registers this node as a
         provider of ``model_key``. Raises WrongOwnerError if `identity` or the record is
         not this node's, another RecordError if the record would be refused (malformed,
-        already expired, over the size limit) or if this node withdrew the same model
-        less than `withdraw_ttl_s` ago (the withdrawal still wins). A network that does
+        already expired, over the size limit) or if the DHT here holds a record of this
+        node with a higher seq (a clock set back since). The record is signed with a
+        fresh `seq`, so it beats this node's earlier records, a withdrawal included. A
+        network that does
         not answer in time is logged: the record stays stored here and in reach of every
         node that asks this node; the next republish tries again.
         """
         self._check_own(identity, record)
+        record = dataclasses.replace(record, seq=self._next_seq())
         value = sign_record(identity, record)
         await self._put(record_key(record.model_id, record.peer_id), value)
         self._announced.add(record.model_id)
+        self._expiry[record.model_id] = max(
+            record.expires_at, self._expiry.get(record.model_id, 0.0)
+        )
         key = model_key(record.model_id)
         with trio.move_on_after(self._config.publish_timeout_s) as scope:
             await self._dht.provide(key)
@@ -295,14 +319,23 @@ class Discovery:
             )
 
     async def withdraw(self, identity: Identity, record: NodeRecord) -> None:
-        """Stop serving `record.model_id`: publish the record as "draining", short-lived.
+        """Stop serving `record.model_id`: publish the record as "draining".
 
-        Other nodes' `holders` stop listing this node at once (the draining record
-        replaces the ready one); it expires `withdraw_ttl_s` later.
+        Other nodes' `holders` stop listing this node at once (the draining record, with
+        a higher seq, replaces the ready one). It lives `withdraw_ttl_s`, or longer when
+        an earlier record of this node lives longer, so none of those can be replayed
+        after it. A later `announce` (a higher seq) beats it at once.
         """
         self._check_own(identity, record)
+        # The withdrawal outlives every record it replaces: while one of them could still
+        # be replayed, the withdrawal (with its higher seq) is there to beat it.
+        expires_at = max(
+            self._clock() + self._config.withdraw_ttl_s,
+            record.expires_at,
+            self._expiry.pop(record.model_id, 0.0),
+        )
         draining = dataclasses.replace(
-            record, state="draining", expires_at=self._clock() + self._config.withdraw_ttl_s
+            record, state="draining", expires_at=expires_at, seq=self._next_seq()
         )
         self._announced.discard(record.model_id)
         await self._put(
@@ -317,8 +350,8 @@ class Discovery:
                 raise  # our own validator refused it (already counted)
             except ValueError as exc:  # libp2p: "Refusing to replace newer value ..."
                 raise RecordError(
-                    f"the DHT holds a better record at {key} (a withdrawal less than "
-                    f"{self._config.withdraw_ttl_s:g} s old?): {exc}"
+                    f"the DHT holds a newer record at {key} (a higher seq: was the "
+                    f"clock set back?): {exc}"
                 ) from exc
         if scope.cancelled_caught:
             log.warning(
@@ -326,6 +359,12 @@ class Discovery:
                 key,
                 self._config.publish_timeout_s,
             )
+
+    def _next_seq(self) -> int:
+        """A seq above every earlier one of this node: wall-clock microseconds, so a
+        restarted node (a fresh counter) still outranks what it signed before."""
+        self._seq = max(self._seq + 1, int(self._clock() * 1_000_000))
+        return self._seq
 
     def _check_own(self, identity: Identity, record: NodeRecord) -> None:
         if identity.peer_id != self._host.peer_id or record.peer_id != self._host.peer_id:
@@ -340,13 +379,22 @@ class Discovery:
         """The valid, unexpired, non-draining records of the nodes serving `model_id`.
 
         Sorted by peer id; this node is included if it announced the model. Takes at
-        most about lookup_timeout_s + rpc_timeout_s + record_timeout_s; what was not
+        most about lookup_timeout_s + rpc_timeout_s + fetch_timeout_s; what was not
         found by then is left out. Refused records are counted in `stats`.
+
+        Provider entries cost a peer nothing (any fresh peer id may claim any model), so
+        none of them may hold the others up: every record fetch has its own deadline
+        (record_timeout_s), up to max_parallel_fetches run at once, the holders seen
+        valid before go first and the rest in random order, and a provider whose record
+        is missing, invalid or withdrawn is dropped from the local provider store.
         """
         key = model_key(model_id)
         peers = await self._find_providers(key)
         if model_id in self._announced:
             peers.add(self._host.peer_id)
+        now = self._clock()
+        self._known_good = {p: t for p, t in self._known_good.items() if t > now}
+        order = sorted(peers, key=lambda p: (p not in self._known_good, random.random()))
         results: dict[str, NodeRecord] = {}
 
         async def fetch(peer_id: str) -> None:
@@ -354,11 +402,18 @@ class Discovery:
                 record = await self._fetch_record(model_id, peer_id)
             if record is not None:
                 results[peer_id] = record
+                self._remember_good(peer_id, record.expires_at)
 
-        async with trio.open_nursery() as nursery:
-            for peer_id in peers:
-                nursery.start_soon(fetch, peer_id)
+        with trio.move_on_after(self._config.fetch_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for peer_id in order:
+                    nursery.start_soon(fetch, peer_id)
         return [results[p] for p in sorted(results)]
+
+    def _remember_good(self, peer_id: str, until: float) -> None:
+        if peer_id not in self._known_good and len(self._known_good) >= _MAX_KNOWN_GOOD:
+            return  # full of live holders already; this one just goes unprioritised
+        self._known_good[peer_id] = max(until, self._known_good.get(peer_id, 0.0))
 
     async def _find_providers(self, key: str) -> set[str]:
         """Peer ids of the providers of `key`: this node's store + the k closest peers'.
@@ -400,19 +455,26 @@ class Discovery:
         key = record_key(model_id, peer_id)
         key_bytes = key.encode("utf-8")
         values: list[bytes] = []
+        pid = libp2p_peer_id(peer_id)
+        if pid is None:
+            return None
         if peer_id == self._host.peer_id:
             own = self._dht.value_store.get(key_bytes)
             if own is not None:
                 values.append(own.value)
         else:
-            pid = libp2p_peer_id(peer_id)
-            if pid is None:
-                return None
             with trio.move_on_after(self._config.record_timeout_s):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._ask_owner, pid, key_bytes, values)
                     nursery.start_soon(self._get_value, key, values)
         if not values:
+            # No record anywhere: a provider entry with nothing behind it (a made-up id,
+            # or a holder long gone) must not keep one of the key's few slots, nor its
+            # addresses in the peerstore (libp2p's lookups in a small swarm start from
+            # every peer there, and would keep dialling it).
+            self._forget_provider(model_id, peer_id)
+            if pid != self._local_id and pid not in self._host.libp2p.get_connected_peers():
+                self._host.libp2p.get_peerstore().clear_addrs(pid)
             return None
         best = values[self._validator.select(key, values)]
         try:
@@ -421,7 +483,12 @@ class Discovery:
             )
         except RecordError as exc:
             self.stats.reject(exc)
-            log.debug("dropped the record of %s for %r: %s", peer_id[-8:], model_id, exc)
+            log.debug(
+                "dropped the record of %s for %s: %s",
+                peer_id[-8:],
+                safe_text(model_id),
+                safe_text(exc),
+            )
             self._forget_provider(model_id, peer_id)
             return None
         if record.state == "draining":
@@ -431,6 +498,9 @@ class Discovery:
 
     async def _ask_owner(self, peer: ID, key_bytes: bytes, values: list[bytes]) -> None:
         """The owner's own copy: the freshest, if the owner is up."""
+        await self._ask_peer(peer, key_bytes, values)
+
+    async def _ask_peer(self, peer: ID, key_bytes: bytes, values: list[bytes]) -> None:
         with trio.move_on_after(self._config.rpc_timeout_s):
             # libp2p's per-peer GET_VALUE (it catches and logs its own errors).
             result = await self._dht.value_store._get_from_peer(peer, key_bytes, return_record=True)
@@ -439,16 +509,53 @@ class Discovery:
                 values.append(value)
 
     async def _get_value(self, key: str, values: list[bytes]) -> None:
-        """The DHT's copy (`get_value` validates what peers send, and selects)."""
+        """This node's copy and those of the k closest peers to `key`.
+
+        Not `KadDHT.get_value`: it answers from the local store alone once that holds
+        the key, so a copy replayed into this node's store (an old "ready" record of a
+        node that has withdrawn since) would be the answer for as long as it lives. The
+        caller's `select` weighs every copy found here; the highest seq wins.
+        """
         key_bytes = key.encode("utf-8")
         cached = self._dht.value_store.get(key_bytes)
-        if cached is not None and not self._validator.is_valid(key, cached.value):
-            # get_value would return this copy forever without asking the network.
-            self._dht.value_store.remove(key_bytes)
+        if cached is not None and self._validator.is_valid(key, cached.value):
+            values.append(cached.value)
         with trio.move_on_after(self._config.lookup_timeout_s):
-            value = await self._dht.get_value(key)
-            if value:
-                values.append(value)
+            closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
+            async with trio.open_nursery() as nursery:
+                for peer in closest[:_VALUE_PEERS]:
+                    if peer != self._local_id:
+                        nursery.start_soon(self._ask_peer, peer, key_bytes, values)
+
+    def _keep_provider_slots_open(self, store: ProviderStore) -> None:
+        """Make a full key evict a provider instead of refusing the newcomer.
+
+        libp2p keeps at most k (20) providers per key and ignores every later one, so
+        20 made-up peer ids that claim a model first would hide its honest holders from
+        this node for 48 h. Here a full key drops one entry to take the newcomer: never
+        this node's own; first one not seen with a valid record, then the one heard from
+        least recently (honest holders re-announce every republish period).
+        """
+        add_provider = store.add_provider
+        own = str(self._local_id)
+
+        def add_evicting(key: bytes, provider: PeerInfo) -> None:
+            slots = store.providers.get(key)
+            if (
+                slots is not None
+                and len(slots) >= PROVIDER_SLOTS
+                and str(provider.peer_id) not in slots
+            ):
+                candidates = [p for p in slots if p != own]
+                if candidates:
+                    victim = min(
+                        candidates,
+                        key=lambda p: (p in self._known_good, slots[p].timestamp),
+                    )
+                    del slots[victim]
+            add_provider(key, provider)
+
+        store.add_provider = add_evicting  # type: ignore[method-assign]
 
     def _forget_provider(self, model_id: str, peer_id: str) -> None:
         """Drop a provider whose record is gone (libp2p keeps 20 per key for 48 h)."""
@@ -465,17 +572,27 @@ async def open_discovery(
     clock: Clock = time.time,
     config: DiscoveryConfig | None = None,
     admits: Callable[[str], bool] | None = None,
+    serves: Callable[[str], Awaitable[bool]] | None = None,
 ) -> AsyncIterator[Discovery]:
     """Run a Kademlia DHT server on `host` (random walk off); stop it on exit.
 
     Values are accepted only in namespaces with a validator: "swarmd" (`RecordValidator`)
-    and libp2p's "pk" and "ipns".
+    and libp2p's "pk" and "ipns". `admits(owner)`: whose records may be stored.
+    `serves(peer_id)`: who may send this node DHT requests at all (a private swarm's
+    gate); the stream of a peer it refuses is reset unread, so that peer can neither
+    read nor store records here, nor enter the routing table.
     """
     config = config or DiscoveryConfig()
     _filter_noisy_dht_warning()
     validator = RecordValidator(clock, admits=admits)
     dht = KadDHT(host.libp2p, DHTMode.SERVER, enable_random_walk=False, strict_validation=True)
     dht.register_validator(KEY_NAMESPACE, validator)
+    if serves is not None:
+        # KadDHT registered its own handler on construction: put the gate in front (and
+        # in its place, should libp2p register it again on a mode switch).
+        gated = _gated(dht.handle_stream, serves)
+        dht.handle_stream = gated  # type: ignore[method-assign]
+        host.libp2p.set_stream_handler(KAD_PROTOCOL_ID, gated)
     try:
         async with background_trio_service(dht) as manager:
             try:
@@ -488,6 +605,19 @@ async def open_discovery(
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _gated(
+    handler: Callable[[INetStream], Awaitable[None]], serves: Callable[[str], Awaitable[bool]]
+) -> Callable[[INetStream], Awaitable[None]]:
+    async def on_stream(stream: INetStream) -> None:
+        if not await serves(str(stream.muxed_conn.peer_id)):
+            with contextlib.suppress(*_STREAM_ERRORS):
+                await stream.reset()
+            return
+        await handler(stream)
+
+    return on_stream
 
 
 def _parse_peer_id(peer_id: str) -> ID:

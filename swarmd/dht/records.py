@@ -3,7 +3,7 @@
 Wire format (a DHT value): one msgpack map, keys in the order of `NodeRecord`'s fields,
 then ``"sig"``::
 
-    {"peer_id": str, "model_id": str, ..., "expires_at": float, "sig": bin(64)}
+    {"peer_id": str, "model_id": str, ..., "expires_at": float, "seq": int, "sig": bin(64)}
 
 ``sig`` is the Ed25519 signature, by the key inside ``peer_id``, of
 ``RECORD_SIGNING_DOMAIN + msgpack(map of the fields without "sig")``. The value must be
@@ -13,7 +13,8 @@ encoding and a signed value cannot be re-encoded into a second valid one.
 
 `decode_record` treats the value as hostile. Checks run cheapest first and the first
 failure is raised: size (before any unpacking) -> msgpack with hard limits -> field set,
-types (a bool is not an int) and ranges -> canonical form -> expected owner and model ->
+types (a bool is not an int) and ranges, read by the `RECORD_WIRE` schema with
+`swarmd.untrusted`'s readers -> what spans fields -> canonical form -> expected owner and model ->
 expiry -> signature. So a forged record that is also expired reports `ExpiredRecordError`.
 
 DHT keys (py-libp2p's FIND_NODE refuses keys over 50 bytes, see shared/notes/libp2p.md)::
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,12 +48,14 @@ from swarmd.errors import (
 )
 from swarmd.model.layers import LayerRange
 from swarmd.net.identity import Identity, public_key_from_peer_id, verify
+from swarmd.untrusted import Bytes, Choice, Float, Int, List, Schema, Str, check_msgpack_budget
 
 __all__ = [
     "KEY_NAMESPACE",
     "MAX_ADDRS",
     "MAX_LAYERS",
     "MAX_RECORD_BYTES",
+    "MAX_SEQ",
     "MAX_TTL_S",
     "RECORD_SIGNING_DOMAIN",
     "STATES",
@@ -83,6 +85,7 @@ MAX_ID_CHARS = 128  # peer_id, model_id, model_hash
 MAX_SHORT_CHARS = 64  # dtype, weights, version
 MAX_URL_CHARS = 256
 MAX_KV_TOKENS = 1 << 40
+MAX_SEQ = (1 << 63) - 1  # a msgpack int64: microseconds of wall time fit for 290,000 years
 STATES = frozenset({"ready", "loading", "draining"})
 _SIGNATURE_BYTES = 64
 _HEX_DIGITS = frozenset("0123456789abcdef")
@@ -92,7 +95,7 @@ _UNPACK_LIMITS: dict[str, Any] = {
     "max_str_len": 4 * MAX_ADDR_CHARS,  # bytes: a 256-char string may take 4 bytes/char
     "max_bin_len": _SIGNATURE_BYTES,
     "max_array_len": MAX_ADDRS,
-    "max_map_len": 18,  # the 16 fields, the signature and one spare (named in errors)
+    "max_map_len": 19,  # the 17 fields, the signature and one spare (named in errors)
     "max_ext_len": 0,
 }
 
@@ -117,6 +120,10 @@ class NodeRecord:
     api_url: str  # its HTTP API, "" if not published
     version: str  # swarmd version
     expires_at: float  # unix seconds
+    # Grows with every record the owner signs (`Discovery` sets it): of two records of
+    # one owner and model the higher seq wins, so a captured older record (a "ready"
+    # before a withdrawal) can never replace a newer one.
+    seq: int = 0
 
     @property
     def layers(self) -> LayerRange:
@@ -133,7 +140,6 @@ class NodeRecord:
 
 
 _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(NodeRecord))
-_WIRE_KEYS = frozenset((*_FIELDS, "sig"))
 
 
 # --- keys -------------------------------------------------------------------------------
@@ -178,7 +184,7 @@ def sign_record(identity: Identity, record: NodeRecord) -> bytes:
     content (so a node never publishes what its peers drop), and WrongOwnerError if
     `record.peer_id` is not `identity`'s peer id. Expiry is not checked here.
     """
-    _check_fields(_fields_map(record))
+    _check_fields({**_fields_map(record), "addrs": list(record.addrs)})
     if record.peer_id != identity.peer_id:
         raise WrongOwnerError(
             f"cannot sign a record of peer {record.peer_id} with the key of {identity.peer_id}"
@@ -194,6 +200,10 @@ def sign_record(identity: Identity, record: NodeRecord) -> bytes:
 # --- validation -------------------------------------------------------------------------
 
 
+# A record is one flat map; its longest field is the address list (16 addresses).
+_MAX_RECORD_ITEMS = 256
+
+
 def _refuse_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack ext type {code} is not allowed")
 
@@ -204,6 +214,10 @@ def _unpack(value: object) -> dict[str, Any]:
     size = value.nbytes if isinstance(value, memoryview) else len(value)
     if size > MAX_RECORD_BYTES:
         raise RecordTooLargeError(f"the record is {size} bytes, over {MAX_RECORD_BYTES}")
+    # Counted before anything is built, as for every frame (untrusted.py).
+    check_msgpack_budget(
+        value, max_items=_MAX_RECORD_ITEMS, max_depth=3, error=MalformedRecordError
+    )
     try:
         obj = msgpack.unpackb(
             value,
@@ -219,80 +233,60 @@ def _unpack(value: object) -> dict[str, Any]:
     # OverflowError cover what its docs call "other exceptions".
     except (ValueError, TypeError, OverflowError) as exc:
         raise MalformedRecordError(f"the record is not valid msgpack: {exc}") from exc
-    if not isinstance(obj, dict):
-        raise MalformedRecordError(f"a record is a msgpack map, got {type(obj).__name__}")
-    keys = set(obj)
-    if keys != _WIRE_KEYS:
-        missing = sorted(_WIRE_KEYS - keys)
-        extra = sorted(map(repr, keys - _WIRE_KEYS))[:4]
-        raise MalformedRecordError(f"record fields wrong: missing {missing}, unknown {extra}")
     return obj
 
 
-def _text(fields: dict[str, Any], name: str, max_chars: int, *, empty_ok: bool) -> str:
-    value = fields[name]
-    if type(value) is not str:
-        raise MalformedRecordError(f"record field {name} must be a string")
-    if not value and not empty_ok:
-        raise MalformedRecordError(f"record field {name} is empty")
-    if len(value) > max_chars:
-        raise MalformedRecordError(f"record field {name} is over {max_chars} characters")
-    if not value.isprintable():
-        raise MalformedRecordError(f"record field {name} holds control characters")
-    return value
+def _text(max_chars: int, *, empty_ok: bool = False) -> Str:
+    return Str(max_chars, min_chars=0 if empty_ok else 1, printable=True)
 
 
-def _int(fields: dict[str, Any], name: str, low: int, high: int) -> int:
-    value = fields[name]
-    if type(value) is not int:  # refuses bool, which is an int subclass
-        raise MalformedRecordError(f"record field {name} must be an integer")
-    if not low <= value <= high:
-        raise MalformedRecordError(f"record field {name}={value} is outside [{low}, {high}]")
-    return value
+_COUNT = Int(0, MAX_KV_TOKENS)
+# The record's fields in `NodeRecord`'s order, each with the bound it needs alone; what
+# spans fields (layer_start < layer_end <= num_layers) and the peer id's key are checked
+# in `_check_fields`. Floats are floats only: one record, one encoding.
+RECORD_FIELDS = Schema(
+    "record",
+    (
+        ("peer_id", _text(MAX_ID_CHARS)),
+        ("model_id", _text(MAX_ID_CHARS)),
+        ("model_hash", Str(MAX_ID_CHARS, alphabet=_HEX_DIGITS)),
+        ("layer_start", Int(0, MAX_LAYERS - 1)),
+        ("layer_end", Int(1, MAX_LAYERS)),
+        ("num_layers", Int(1, MAX_LAYERS)),
+        ("dtype", _text(MAX_SHORT_CHARS)),
+        ("weights", _text(MAX_SHORT_CHARS)),
+        ("free_kv_tokens", _COUNT),
+        ("kv_budget_tokens", _COUNT),
+        ("throughput_tps", Float(0.0, ints=False)),
+        ("state", Choice(tuple(sorted(STATES)), "record state")),
+        ("addrs", List(_text(MAX_ADDR_CHARS), MAX_ADDRS)),
+        ("api_url", _text(MAX_URL_CHARS, empty_ok=True)),
+        ("version", _text(MAX_SHORT_CHARS)),
+        ("expires_at", Float(ints=False)),
+        ("seq", Int(0, MAX_SEQ)),
+    ),
+)
+# On the wire: the fields and their signature.
+RECORD_WIRE = Schema(
+    "record",
+    (*RECORD_FIELDS.required, ("sig", Bytes(_SIGNATURE_BYTES, min_items=_SIGNATURE_BYTES))),
+)
 
 
-def _float(fields: dict[str, Any], name: str) -> float:
-    value = fields[name]
-    if type(value) is not float:
-        raise MalformedRecordError(f"record field {name} must be a float")
-    if not math.isfinite(value):
-        raise MalformedRecordError(f"record field {name} is not finite")
-    return value
-
-
-def _check_fields(fields: dict[str, Any]) -> None:
-    """Types and ranges of every field; raises MalformedRecordError."""
-    peer_id = _text(fields, "peer_id", MAX_ID_CHARS, empty_ok=False)
-    if public_key_from_peer_id(peer_id) is None:
+def _check_fields(fields: dict[str, Any], schema: Schema = RECORD_FIELDS) -> dict[str, Any]:
+    """The fields read by `schema`, then what spans fields; raises MalformedRecordError."""
+    read = schema.read(fields, MalformedRecordError)
+    if public_key_from_peer_id(read["peer_id"]) is None:
         raise MalformedRecordError("record field peer_id is not an Ed25519 peer id")
-    _text(fields, "model_id", MAX_ID_CHARS, empty_ok=False)
-    model_hash = _text(fields, "model_hash", MAX_ID_CHARS, empty_ok=True)
-    if not set(model_hash) <= _HEX_DIGITS:
-        raise MalformedRecordError("record field model_hash is not lowercase hex")
-    num_layers = _int(fields, "num_layers", 1, MAX_LAYERS)
-    start = _int(fields, "layer_start", 0, num_layers - 1)
-    _int(fields, "layer_end", start + 1, num_layers)
-    _text(fields, "dtype", MAX_SHORT_CHARS, empty_ok=False)
-    _text(fields, "weights", MAX_SHORT_CHARS, empty_ok=False)
-    _int(fields, "free_kv_tokens", 0, MAX_KV_TOKENS)
-    _int(fields, "kv_budget_tokens", 0, MAX_KV_TOKENS)
-    if _float(fields, "throughput_tps") < 0:
-        raise MalformedRecordError("record field throughput_tps is negative")
-    state = _text(fields, "state", MAX_SHORT_CHARS, empty_ok=False)
-    if state not in STATES:
-        raise MalformedRecordError(f"record field state={state!r} is not one of {sorted(STATES)}")
-    addrs = fields["addrs"]
-    if not isinstance(addrs, list | tuple):
-        raise MalformedRecordError("record field addrs must be an array")
-    if len(addrs) > MAX_ADDRS:
-        raise MalformedRecordError(f"record field addrs has over {MAX_ADDRS} entries")
-    for i, addr in enumerate(addrs):
-        text = _text({f"addrs[{i}]": addr}, f"addrs[{i}]", MAX_ADDR_CHARS, empty_ok=False)
-        if not text.startswith("/"):
+    num_layers, start, end = read["num_layers"], read["layer_start"], read["layer_end"]
+    if not start < end <= num_layers:
+        raise MalformedRecordError(
+            f"record layers {start}:{end} are not a range within its {num_layers} layers"
+        )
+    for i, addr in enumerate(read["addrs"]):
+        if not addr.startswith("/"):
             raise MalformedRecordError(f"record field addrs[{i}] is not a multiaddr")
-    _text(fields, "api_url", MAX_URL_CHARS, empty_ok=True)
-    _text(fields, "version", MAX_SHORT_CHARS, empty_ok=False)
-    _float(fields, "expires_at")
+    return read
 
 
 def decode_record(
@@ -307,11 +301,8 @@ def decode_record(
     are what the caller asked for (the owner it looked up, the model it wants); a valid
     record for anyone or anything else raises WrongOwnerError.
     """
-    fields = _unpack(value)
-    _check_fields(fields)
+    fields = _check_fields(_unpack(value), RECORD_WIRE)
     signature = fields.pop("sig")
-    if type(signature) is not bytes or len(signature) != _SIGNATURE_BYTES:
-        raise MalformedRecordError(f"record field sig must be {_SIGNATURE_BYTES} bytes")
     record = NodeRecord(**{**fields, "addrs": tuple(fields["addrs"])})
     if _pack_wire(record, signature) != bytes(value):
         raise MalformedRecordError("the record is not in canonical form")

@@ -13,7 +13,8 @@ spaces, ASCII) without the `content_id` field. It is the model's identity in DHT
 two nodes with the same content id hold the same weights, split the same way.
 
 This module is pure: `parse_manifest` treats its input as hostile (it may come from a
-peer) and checks every field before anything uses it. Hashing files lives in `shards.py`.
+peer) and checks every field before anything uses it: the `MANIFEST` schema, read with
+`swarmd.untrusted`'s readers, then what spans fields in code. Hashing files lives in `shards.py`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 from swarmd.dtypes import WEIGHT_FORMATS, label_formats
 from swarmd.errors import ManifestError
 from swarmd.model.layers import LayerRange, tiling_problem
+from swarmd.untrusted import Choice, Int, List, Raw, Reader, Schema, Str, Struct
 
 MANIFEST_FORMAT = "swarmd-manifest/2"  # /2: the weights field
 MANIFEST_FILE = "manifest.json"
@@ -43,22 +45,6 @@ MAX_LAYERS = 10_000
 MAX_ID_CHARS = 128
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_TOP_KEYS = frozenset(
-    {
-        "format",
-        "model_id",
-        "architecture",
-        "config",
-        "num_layers",
-        "dtype",
-        "weights",
-        "chunk_bytes",
-        "files",
-        "shards",
-    }
-)
-_FILE_KEYS = frozenset({"file", "bytes", "sha256", "chunks"})
-_SHARD_KEYS = _FILE_KEYS | {"start", "end"}
 
 
 @dataclass(frozen=True)
@@ -168,6 +154,42 @@ def _canonical(data: dict[str, Any]) -> bytes:
 # --- reading a manifest (untrusted) -----------------------------------------------------
 
 
+def _bad(message: str) -> ManifestError:
+    return ManifestError(f"manifest {message}")
+
+
+# Every field of a manifest with the bound it needs alone; the chunk count (from the
+# size), the config's agreement, the layout and the names are checked in code.
+_ID = Str(MAX_ID_CHARS, min_chars=1)
+_HEX = Str(64, min_chars=64, pattern=_HEX64, what="64 lowercase hex digits")
+_FILE_FIELDS: tuple[tuple[str, Reader[Any]], ...] = (
+    ("file", Str(128, min_chars=1, pattern=_FILE_NAME, what="a plain file name")),
+    ("bytes", Int(0, MAX_FILE_BYTES)),
+    ("sha256", _HEX),
+    ("chunks", Raw()),  # read in `_file`, once the size says how many
+)
+FILE = Schema("files entry", _FILE_FIELDS)
+SHARD = Schema(
+    "shards entry",
+    (*_FILE_FIELDS, ("start", Int(0, MAX_LAYERS)), ("end", Int(1, MAX_LAYERS))),
+)
+MANIFEST = Schema(
+    "object",
+    (
+        ("format", Choice((MANIFEST_FORMAT,), "manifest format")),
+        ("model_id", _ID),
+        ("architecture", _ID),
+        ("config", Raw(dict, "an object")),
+        ("num_layers", Int(1, MAX_LAYERS)),
+        ("dtype", _ID),
+        ("weights", _ID),
+        ("chunk_bytes", Int(MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)),
+        ("files", List(Struct(FILE), MAX_FILES)),
+        ("shards", List(Struct(SHARD), MAX_FILES)),
+    ),
+)
+
+
 def parse_manifest(raw: bytes, expected_id: str | None = None) -> Manifest:
     """Check and build a manifest; `expected_id`: the content id it must have.
 
@@ -182,28 +204,18 @@ def parse_manifest(raw: bytes, expected_id: str | None = None) -> Manifest:
     if not isinstance(data, dict):
         raise ManifestError("manifest is not a JSON object")
     claimed = data.pop("content_id", None)
-    _exact_keys(data, _TOP_KEYS, "manifest")
-    if data["format"] != MANIFEST_FORMAT:
-        raise ManifestError(
-            f"manifest format {str(data['format'])[:40]!r} is not {MANIFEST_FORMAT}"
-        )
-    model_id = _text(data["model_id"], "model_id")
-    architecture = _text(data["architecture"], "architecture")
-    config = data["config"]
-    if not isinstance(config, dict):
-        raise ManifestError("manifest config is not an object")
-    num_layers = _int(data["num_layers"], "num_layers", 1, MAX_LAYERS)
+    top = MANIFEST.read(data, _bad)
+    model_id, architecture, config = top["model_id"], top["architecture"], top["config"]
+    num_layers, dtype, weights = top["num_layers"], top["dtype"], top["weights"]
+    chunk_bytes = top["chunk_bytes"]
     if config.get("model_type") != architecture:
         raise ManifestError("manifest config's model_type is not its architecture")
     if config.get("num_hidden_layers") != num_layers:
         raise ManifestError("manifest config's num_hidden_layers is not its num_layers")
-    dtype = _text(data["dtype"], "dtype")
-    weights = _text(data["weights"], "weights")
     if not label_formats(weights) or not label_formats(weights) <= set(WEIGHT_FORMATS):
         raise ManifestError(f"manifest weights {weights[:40]!r} are not of {WEIGHT_FORMATS}")
-    chunk_bytes = _int(data["chunk_bytes"], "chunk_bytes", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
-    files = tuple(_file(item, chunk_bytes, "files") for item in _list(data["files"], "files"))
-    shards = tuple(_shard(item, chunk_bytes) for item in _list(data["shards"], "shards"))
+    files = tuple(_file(item, chunk_bytes) for item in top["files"])
+    shards = tuple(_shard(item, chunk_bytes) for item in top["shards"])
     _check_layout(num_layers, shards)
     _check_names([f.file for f in (*files, *shards)])
     manifest = Manifest(
@@ -216,62 +228,20 @@ def parse_manifest(raw: bytes, expected_id: str | None = None) -> Manifest:
     return manifest
 
 
-def _exact_keys(data: dict[str, Any], keys: frozenset[str], what: str) -> None:
-    if set(data) != keys:
-        missing, extra = sorted(keys - set(data)), sorted(set(data) - keys)
-        raise ManifestError(f"{what}: missing {missing}, unknown {[str(k)[:40] for k in extra]}")
-
-
-def _text(value: object, what: str) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
-        raise ManifestError(f"manifest {what} is not a string of 1..{MAX_ID_CHARS} characters")
-    return value
-
-
-def _int(value: object, what: str, low: int, high: int) -> int:
-    if type(value) is not int or not low <= value <= high:
-        raise ManifestError(f"manifest {what} is not an integer in {low}..{high}")
-    return value
-
-
-def _list(value: object, what: str) -> list[Any]:
-    if not isinstance(value, list) or len(value) > MAX_FILES:
-        raise ManifestError(f"manifest {what} is not a list of at most {MAX_FILES}")
-    return value
-
-
-def _file(
-    item: object, chunk_bytes: int, what: str, keys: frozenset[str] = _FILE_KEYS
-) -> FileEntry:
-    if not isinstance(item, dict):
-        raise ManifestError(f"an entry of manifest {what} is not an object")
-    _exact_keys(item, keys, f"an entry of manifest {what}")
-    name = item["file"]
-    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
-        raise ManifestError(f"manifest file name {str(name)[:60]!r} is not a plain file name")
-    size = _int(item["bytes"], f"{name} bytes", 0, MAX_FILE_BYTES)
-    sha = _hex(item["sha256"], f"{name} sha256")
-    chunks = item["chunks"]
-    if not isinstance(chunks, list) or len(chunks) != chunk_count(size, chunk_bytes):
+def _file(entry: dict[str, Any], chunk_bytes: int) -> FileEntry:
+    name, size, chunks = entry["file"], entry["bytes"], entry["chunks"]
+    # The count of chunk hashes follows from the size: a bound no reader holds alone.
+    if type(chunks) is not list or len(chunks) != chunk_count(size, chunk_bytes):
         raise ManifestError(
             f"manifest {name}: {chunk_count(size, chunk_bytes)} chunk hashes expected"
         )
-    return FileEntry(name, size, sha, tuple(_hex(c, f"{name} chunk") for c in chunks))
+    hashes = List(_HEX, None).read(chunks, f"{name} chunk", _bad)
+    return FileEntry(name, size, entry["sha256"], tuple(hashes))
 
 
-def _shard(item: object, chunk_bytes: int) -> ShardEntry:
-    if not isinstance(item, dict):
-        raise ManifestError("an entry of manifest shards is not an object")
-    entry = _file(item, chunk_bytes, "shards", _SHARD_KEYS)
-    start = _int(item["start"], f"{entry.file} start", 0, MAX_LAYERS)
-    end = _int(item["end"], f"{entry.file} end", 1, MAX_LAYERS)
-    return ShardEntry(entry.file, entry.bytes, entry.sha256, entry.chunks, start, end)
-
-
-def _hex(value: object, what: str) -> str:
-    if not isinstance(value, str) or not _HEX64.fullmatch(value):
-        raise ManifestError(f"manifest {what} is not 64 lowercase hex digits")
-    return value
+def _shard(entry: dict[str, Any], chunk_bytes: int) -> ShardEntry:
+    base = _file(entry, chunk_bytes)
+    return ShardEntry(base.file, base.bytes, base.sha256, base.chunks, entry["start"], entry["end"])
 
 
 def _check_layout(num_layers: int, shards: Iterable[ShardEntry]) -> None:

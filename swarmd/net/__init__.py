@@ -10,10 +10,10 @@
 - `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff
 - `auth.py`      the private-swarm proof: `SwarmKey`, `prove`, `check_proof`
 - `gate.py`      `SwarmGate`: runs that proof on every new connection, bans who fails
+- `safe_text.py` `safe_text`: a peer's string as one capped, printable log line
+- `loop_errors.py` `LoopErrors`: background-loop errors counted and logged sparingly;
+                 `leaves` / `first_of` see through trio's exception groups
+- `remote_addr.py` `remote_ips`: the IPs a connected peer reaches us from (address bans)
 - `private_file.py` `read_private_file`: key files must be regular, private, small
-- `swarm.py`     `SwarmPresence`: host + DHT + announcements for one node (trio side)
-- `files.py`     `FileServer`: a holder serves its manifest and shard files (RPC methods
-                 `manifest`, `file_chunk`; transfer cap, upload limit); `call_file_chunk`
-- `fetch.py`     `Fetcher`: downloads files chunk by chunk, checked, resumable, from holders
 - `progress.py`  `RichProgress`: the terminal progress bar of a fetch
 """

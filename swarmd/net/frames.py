@@ -9,6 +9,12 @@ reading the body, when the declared length is over `max_frame_bytes`; it never h
 than `max_buffered_bytes`; and it unpacks with msgpack's own size limits set to the frame
 size, so a header inside the body that declares a 4 GB string fails without allocating.
 Ext types (including msgpack timestamps) and non-string map keys are refused.
+
+A body is walked before it is decoded (`swarmd.untrusted`): over `MAX_FRAME_ITEMS`
+items or `MAX_FRAME_DEPTH` nesting it is a bad frame, refused without building an object,
+so a 16 MiB frame costs at most about 2x its size to decode and never a Python object per
+byte. `FrameStream` decodes bodies of `THREAD_DECODE_BYTES` or more in a worker thread:
+copying a 16 MiB tensor out of its frame takes milliseconds the event loop should not wait.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import msgpack
 import trio
 
 from swarmd.errors import (
+    FrameBudgetError,
     FrameBufferError,
     FrameError,
     FrameTooLargeError,
@@ -30,8 +37,10 @@ from swarmd.errors import (
     SendTimeoutError,
     StreamClosedError,
 )
+from swarmd.untrusted import check_msgpack_budget
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from types import TracebackType
 
     from libp2p.abc import INetStream
@@ -40,7 +49,11 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_SEND_TIMEOUT_S",
     "FRAME_HEADER_BYTES",
+    "MAX_FRAME_DEPTH",
+    "MAX_FRAME_ITEMS",
+    "MAX_FRAME_STR_BYTES",
     "READ_CHUNK_BYTES",
+    "THREAD_DECODE_BYTES",
     "FrameDecoder",
     "FrameStream",
     "Traffic",
@@ -50,12 +63,22 @@ __all__ = [
 
 FRAME_HEADER_BYTES = 4
 MAX_CONTAINER_ITEMS = 4096  # items in one msgpack array or map (tensors travel as bin)
+# Items (scalars, containers and map keys) in one whole frame. The largest real frame is a
+# stage `open` with every limit used (64 hops, 65 peers' addresses, 1,024 logit_bias
+# pairs): about 4,000 items. At most ~200 bytes of Python objects each, and a 0.2 us walk.
+MAX_FRAME_ITEMS = 32768
+MAX_FRAME_DEPTH = 16  # real frames nest 4 deep (open -> sampling -> logit_bias -> pair)
+# One str: real ones are ids, addresses and messages. CPython decodes UTF-8 into a buffer
+# of 4 bytes per input byte before it shrinks it, so a 16 MiB str of emoji peaks at 64 MiB.
+MAX_FRAME_STR_BYTES = 1024 * 1024
+THREAD_DECODE_BYTES = 1024 * 1024
 FRAME_MAX_DECLARABLE = 2 ** (8 * FRAME_HEADER_BYTES) - 1
 DEFAULT_MAX_FRAME_BYTES = (
     16 * 1024 * 1024
 )  # a 512-token prefill chunk of a 4096-wide model is 4 MiB
 DEFAULT_SEND_TIMEOUT_S = 10.0
 READ_CHUNK_BYTES = 64 * 1024  # yamux's largest data frame: one read never returns more
+_T = TypeVar("_T")
 _CLEANUP_TIMEOUT_S = 1.0  # close/reset are best effort: never wait longer for a broken link
 
 
@@ -84,20 +107,35 @@ def _refuse_ext(code: int, data: bytes) -> object:
     raise MalformedFrameError(f"msgpack ext type {code} is not allowed in a frame")
 
 
-def decode_body(body: bytes | memoryview) -> dict[str, Any]:
+def decode_body(
+    body: bytes | bytearray | memoryview,
+    max_items: int = MAX_FRAME_ITEMS,
+    max_depth: int = MAX_FRAME_DEPTH,
+) -> dict[str, Any]:
     """The dict in one frame body; MalformedFrameError for anything else.
 
-    msgpack's limits are set to the body's own length: no string, bytes, array or map
-    inside it can declare more than the body holds, so nothing is allocated for a lie.
+    FrameBudgetError (a MalformedFrameError) for a body over `max_items` items or nested
+    over `max_depth`, found before anything is built. msgpack's limits are set to the
+    body's own length: no string, bytes, array or map inside it can declare more than the
+    body holds, so nothing is allocated for a lie.
     """
     limit = len(body)
+    if not limit or not (0x80 <= body[0] <= 0x8F or body[0] in (0xDE, 0xDF)):
+        raise MalformedFrameError("frame body must be a msgpack map")
+    check_msgpack_budget(
+        body,
+        max_items=max_items,
+        max_depth=max_depth,
+        error=MalformedFrameError,
+        budget_error=FrameBudgetError,
+    )
     try:
         obj = msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
             use_list=True,
-            max_str_len=limit,
+            max_str_len=min(limit, MAX_FRAME_STR_BYTES),
             max_bin_len=limit,
             # Per container, not per frame: a cap well under the frame size keeps a frame
             # of nested empty arrays from growing 70x in memory.
@@ -144,23 +182,36 @@ class FrameDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[dict[str, Any]]:
         """Add bytes; return every frame they complete, in order."""
+        return self._guarded(lambda: [decode_body(body) for body in self._split(data)])
+
+    def feed_bodies(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """Add bytes; return the body of every frame they complete, not yet decoded.
+
+        For a caller that decodes elsewhere (`decode_body` in a worker thread); a body it
+        finds bad is the caller's to handle. A returned memoryview is a slice of `data`:
+        `data` must not change while it is in use.
+        """
+        return self._guarded(lambda: self._split(data))
+
+    def _guarded(self, work: Callable[[], _T]) -> _T:
         if self._failed is not None:
             raise type(self._failed)(f"frame decoder already failed: {self._failed}")
         try:
-            return self._feed(memoryview(data).cast("B"))
+            return work()
         except FrameError as exc:
             self._failed = exc
             self._partial = bytearray()  # framing is lost: keep nothing
             self._body_len = None
             raise
 
-    def _feed(self, view: memoryview) -> list[dict[str, Any]]:
+    def _split(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        view = memoryview(data).cast("B")
         held = self.buffered_bytes + len(view)
         if held > self._max_buffered_bytes:
             raise FrameBufferError(
                 f"{held} bytes buffered, over the {self._max_buffered_bytes}-byte limit"
             )
-        frames: list[dict[str, Any]] = []
+        bodies: list[bytes | memoryview] = []
         while view:
             if self._body_len is None:
                 take = FRAME_HEADER_BYTES - len(self._partial)
@@ -178,16 +229,17 @@ class FrameDecoder:
                 self._partial = bytearray()
             need = self._body_len - len(self._partial)
             if not self._partial and len(view) >= need:
-                frames.append(decode_body(view[:need]))  # whole body in this chunk: no copy
+                bodies.append(view[:need])  # whole body in this chunk: no copy
             else:
                 self._partial += view[:need]
                 if len(self._partial) < self._body_len:
                     break
-                frames.append(decode_body(self._partial))
+                # Handed over, never written again: the next frame starts a new buffer.
+                bodies.append(memoryview(self._partial))
                 self._partial = bytearray()
             view = view[need:]
             self._body_len = None
-        return frames
+        return bodies
 
 
 # --- frames over a libp2p stream (trio) -------------------------------------------------
@@ -222,6 +274,13 @@ class Traffic:
 
     def add_received(self, protocol: str, size: int) -> None:
         self.received[protocol] = self.received.get(protocol, 0) + size
+
+
+async def _decode_off_loop(body: bytes | memoryview) -> dict[str, Any]:
+    """`decode_body`, in a worker thread for a large body (its copies take milliseconds)."""
+    if len(body) < THREAD_DECODE_BYTES:
+        return decode_body(body)
+    return await trio.to_thread.run_sync(decode_body, body)
 
 
 class FrameStream:
@@ -302,7 +361,8 @@ class FrameStream:
             try:
                 with trio.fail_after(timeout_s):
                     while not self._ready:
-                        self._ready.extend(self._decoder.feed(await self._read_chunk()))
+                        for body in self._decoder.feed_bodies(await self._read_chunk()):
+                            self._ready.append(await _decode_off_loop(body))
             except trio.TooSlowError:
                 await self._break("recv timed out")
                 raise RecvTimeoutError(

@@ -15,6 +15,12 @@ raw libp2p host as `.libp2p` (for the DHT). libp2p's defaults are changed where 
   kernel splits incoming connections between the two: a fixed port is checked first.
 - a cancelled write no longer breaks Noise's nonces and with them the whole connection
   (`noise_writes`).
+- limits per peer and in all: libp2p's resource manager (`libp2p.rcmgr`) caps
+  connections (per peer and in total) and streams in total. Its per-peer stream limits
+  are never consulted by py-libp2p 0.8.1's swarm (`acquire_scoped_stream` has no caller),
+  so `set_handler` counts each peer's open inbound streams itself and resets those past
+  `max_inbound_streams_per_peer`. Past its total, libp2p does not refuse a stream but
+  makes it wait (a semaphore shared with outbound streams): that total is set high.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
+from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -81,6 +89,10 @@ class HostConfig:
     dial_retries: int = 1  # libp2p's redials of a failed address (its default: 3)
     health_check_interval_s: float = 5.0  # libp2p pings every connection this often
     health_ping_timeout_s: float = 5.0  # a ping slower than this closes the connection
+    max_inbound_streams_per_peer: int = 256  # swarmd streams one peer holds open to us
+    max_streams: int = 8192  # every stream, both directions, all peers (libp2p's rcmgr)
+    max_connections: int = 512  # connections in all (libp2p's rcmgr)
+    max_connections_per_peer: int = 4  # established connections to one peer (libp2p's rcmgr)
 
 
 class P2PHost:
@@ -96,6 +108,7 @@ class P2PHost:
         self.admits: Callable[[str], bool] | None = None
         self.misbehaved: Callable[[str, str], Awaitable[None]] | None = None
         self.traffic = Traffic()  # bytes per protocol over swarmd's frame streams
+        self._inbound: dict[str, int] = {}  # peer -> its open inbound swarmd streams
 
     @property
     def libp2p(self) -> IHost:
@@ -120,6 +133,10 @@ class P2PHost:
         for addr in self._host.get_transport_addrs():
             return int(addr.value_for_protocol("tcp"))
         raise ConfigError("the libp2p host is not listening")
+
+    def inbound_streams(self, peer_id: str) -> int:
+        """The swarmd streams `peer_id` holds open to this host now (capped per peer)."""
+        return self._inbound.get(peer_id, 0)
 
     def connected_peers(self) -> list[str]:
         return [str(pid) for pid in self._host.get_connected_peers()]
@@ -172,6 +189,20 @@ class P2PHost:
 
         async def on_stream(stream: INetStream) -> None:
             framed = self._frame_stream(stream)
+            peer = framed.peer_id
+            if self._inbound.get(peer, 0) >= self._config.max_inbound_streams_per_peer:
+                log.debug("%s stream from %s reset: its stream cap", protocol, peer[-8:])
+                await framed.reset()
+                return
+            self._inbound[peer] = self._inbound.get(peer, 0) + 1
+            try:
+                await serve(framed)
+            finally:
+                left = self._inbound.pop(peer) - 1
+                if left:
+                    self._inbound[peer] = left
+
+        async def serve(framed: FrameStream) -> None:
             if gated and self.admits is not None and not self.admits(framed.peer_id):
                 await framed.reset()  # banned, or not yet proven in a private swarm
                 return
@@ -339,10 +370,27 @@ def _new_libp2p_host(identity: Identity, config: HostConfig) -> IHost:
         sec_opt={NOISE_PROTOCOL_ID: noise},  # Noise only: the default adds plaintext
         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
         connection_config=connection_config,
+        resource_manager=_resource_manager(config),
     )
     # new_host takes no retry config; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=config.dial_retries)
     return host
+
+
+def _resource_manager(config: HostConfig) -> ResourceManager:
+    """libp2p's limits: connections per peer and in all, streams in all."""
+    total = config.max_connections
+    return new_resource_manager(
+        limits=ResourceLimits(max_connections=total, max_streams=config.max_streams),
+        connection_limits=ConnectionLimits(
+            max_pending_inbound=min(64, total),
+            max_pending_outbound=min(64, total),
+            max_established_inbound=total,
+            max_established_outbound=total,
+            max_established_per_peer=config.max_connections_per_peer,
+            max_established_total=total,
+        ),
+    )
 
 
 def _listen_multiaddr(host_ip: str, port: int) -> Multiaddr:

@@ -17,14 +17,29 @@ Bans grow with repeat offences and are forgotten with good behaviour (`BanPolicy
   connection often reports several failures at once); it is ignored.
 
 The table is bounded (``max_peers``, ``max_bans``) because peers decide how many peer
-ids we hear of; when full it forgets the peer seen least recently, and drops the ban
-entries already forgiven, then the one that ends (or ended) first.
+ids we hear of; when full it forgets the peer seen least recently. A full ban table
+makes room by dropping, in this order: entries already forgiven, bans that have ended
+(kept only to count offences), and only then a ban in force: the least severe (fewest
+offences), of those the newest. So fresh peer ids banned by the thousand (they cost an
+attacker nothing) displace one another, never a ban that was there before them or a
+repeat offender's.
+
+Peer ids are free, so bans also count against the address a peer came from (`ban(...,
+addr=IP)`): every peer banned from one address is one offence of that address (with
+the same decay), and from the second offence on the address itself is banned until the
+latest peer ban from it ends (`is_address_banned`). Loopback and unspecified addresses
+are never banned: several honest nodes of one machine (and every test) share them, and
+a node cannot tell them apart by address. Private (LAN) addresses are banned like
+public ones: a LAN peer has an address of its own.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass
+
+from swarmd.net.safe_text import safe_text
 
 __all__ = ["BanPolicy", "BanRow", "PeerRow", "PeerTable"]
 
@@ -69,12 +84,27 @@ class _Peer:
 
 
 class _Ban:
-    __slots__ = ("offences", "reason", "until")
+    __slots__ = ("offences", "reason", "since", "until")
 
-    def __init__(self, offences: int, reason: str, until: float) -> None:
+    def __init__(self, offences: int, reason: str, until: float, since: float) -> None:
         self.offences = offences
         self.reason = reason
         self.until = until
+        self.since = since  # when this ban began
+
+
+ADDRESS_BAN_OFFENCES = 2  # peers banned from one address before the address is banned
+
+
+def _bannable_address(addr: str) -> str | None:
+    """The canonical form of an IP that may be banned; None for loopback and junk."""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    if ip.is_loopback or ip.is_unspecified:
+        return None
+    return ip.compressed
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
@@ -113,6 +143,7 @@ class PeerTable:
         self._max_bans = max_bans
         self._peers: dict[str, _Peer] = {}
         self._bans: dict[str, _Ban] = {}
+        self._addr_bans: dict[str, _Ban] = {}  # by IP: offences, and until when banned
 
     # --- measurements -------------------------------------------------------------------
 
@@ -199,19 +230,52 @@ class PeerTable:
         forgiven = int((now - ban.until) // self._policy.decay_s)
         return max(0, ban.offences - forgiven)
 
-    def ban(self, peer_id: str, reason: str, now: float) -> float:
-        """Ban the peer for its offence at `now`; returns the time the ban ends."""
+    def ban(self, peer_id: str, reason: str, now: float, addr: str | None = None) -> float:
+        """Ban the peer for its offence at `now`; returns the time the ban ends.
+
+        `addr`: the IP the peer is connected from, if known; it takes an offence too.
+        `reason` is kept made safe for logs and reports (`safe_text`): it may quote a peer.
+        """
+        reason = safe_text(reason)
         ban = self._bans.get(peer_id)
         if ban is not None and now < ban.until:
             return ban.until  # already banned: the same incident, reported again
         offences = (self._offences_now(ban, now) if ban is not None else 0) + 1
+        until = now + self._length(offences)
+        if ban is None:
+            self._prune(self._bans, now)
+        self._bans[peer_id] = _Ban(offences, reason, until, now)
+        if addr is not None:
+            self._strike_address(addr, reason, now, until)
+        return until
+
+    def _length(self, offences: int) -> float:
         policy = self._policy
         # Cap the exponent first: 2 ** huge would overflow a float.
-        length = min(policy.base_s * 2.0 ** min(offences - 1, 64), policy.max_s)
-        if ban is None:
-            self._prune_bans(now)
-        self._bans[peer_id] = _Ban(offences, reason, now + length)
-        return now + length
+        return min(policy.base_s * 2.0 ** min(offences - 1, 64), policy.max_s)
+
+    def _strike_address(self, addr: str, reason: str, now: float, peer_until: float) -> None:
+        key = _bannable_address(addr)
+        if key is None:
+            return
+        entry = self._addr_bans.get(key)
+        if entry is None:
+            self._prune(self._addr_bans, now)
+            entry = self._addr_bans[key] = _Ban(0, reason, now, now)
+        else:
+            entry.offences = self._offences_now(entry, now)
+        entry.offences += 1
+        entry.reason = reason
+        if entry.offences >= ADDRESS_BAN_OFFENCES:
+            if now >= entry.until:
+                entry.since = now
+            entry.until = max(entry.until, peer_until)
+
+    def is_address_banned(self, addr: str, now: float) -> bool:
+        """Whether peers connecting from IP `addr` are refused at `now`."""
+        key = _bannable_address(addr)
+        entry = self._addr_bans.get(key) if key is not None else None
+        return entry is not None and now < entry.until
 
     def unban(self, peer_id: str, now: float) -> None:
         """Lift the peer's ban at `now`; its offence count is kept and decays from `now`."""
@@ -242,12 +306,19 @@ class PeerTable:
         ban = self._bans.get(peer_id)
         return 0 if ban is None else self._offences_now(ban, now)
 
-    def _prune_bans(self, now: float) -> None:
-        """Make room for one more ban entry: drop forgiven ones, then the one ending first."""
-        if len(self._bans) < self._max_bans:
+    def _prune(self, bans: dict[str, _Ban], now: float) -> None:
+        """Make room for one more entry in `bans` (see the module docstring for the order)."""
+        if len(bans) < self._max_bans:
             return
-        for pid in [p for p, b in self._bans.items() if self._offences_now(b, now) == 0]:
-            del self._bans[pid]
-        while len(self._bans) >= self._max_bans:
-            oldest = min(self._bans, key=lambda p: self._bans[p].until)
-            del self._bans[oldest]
+        for key in [k for k, b in bans.items() if self._offences_now(b, now) == 0]:
+            del bans[key]
+        if len(bans) < self._max_bans:
+            return
+        ended = [k for k, b in bans.items() if b.until <= now]
+        ended.sort(key=lambda k: bans[k].until)
+        for key in ended[: len(bans) - self._max_bans + 1]:
+            del bans[key]
+        while len(bans) >= self._max_bans:
+            # Least severe, then newest: a flood of fresh bans displaces only itself.
+            victim = min(bans, key=lambda k: (bans[k].offences, -bans[k].since))
+            del bans[victim]

@@ -10,6 +10,8 @@
 - `stage_service.py`  `StageService`: every node's stage end of `/swarmd/stage/1` (trio),
                       `LoopLink` for a route through this node itself
 - `wire.py`           the stage protocol's frames and every check on them (pure)
+- `bounds.py`         every bound on what a request asks, one table for the API and the wire
 - `placement.py`      `choose_layers`: the range a joining node serves with `--layers auto` (pure)
-- `report.py`         `RequestRecord` (the DIAG line), `RequestRing` (recent requests)
+- `report.py`         `RequestRecord` (the DIAG line), `RequestRing` (recent requests),
+                      `FalseReports` (a teller of disproved failure reports is banned)
 """

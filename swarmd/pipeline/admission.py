@@ -1,4 +1,5 @@
-"""`KVBudget`: a stage's KV cache room in tokens, reserved per session from admission to end.
+"""`KVBudget`: a stage's KV cache room in tokens, reserved per session from admission to end;
+`PeerBudget`: the part of it remote coordinators may hold, per peer and in all.
 
 A session reserves its prompt plus `max_tokens` before it runs and gives them back when it
 ends, however it ends, so a stage never holds more cache than its budget. Requests this
@@ -91,3 +92,94 @@ class KVBudget:
             waiter = self._waiters.popleft()
             self.reserved += waiter.tokens
             waiter.future.set_result(None)
+
+
+@dataclass(frozen=True)
+class PeerLimits:
+    """How much of this stage remote coordinators may hold (see `PeerBudget`)."""
+
+    kv_share: float = 0.75  # of the node's KV tokens, all remote sessions together
+    peer_kv_share: float = 0.5  # of the node's KV tokens, the sessions of one upstream peer
+    max_sessions: int = 64  # remote sessions at once, all peers together
+    max_peer_sessions: int = 32  # remote sessions at once from one upstream peer
+
+
+@dataclass
+class _PeerHold:
+    sessions: int = 0
+    tokens: int = 0
+
+
+class PeerBudget:
+    """Remote stage sessions' own room: a pool inside the node's `KVBudget`, with a cap per
+    upstream peer.
+
+    The node's budget stays the one bound on memory, so a remote session's tokens are
+    reserved there too; but remote sessions together never hold more than `kv_share` of
+    it (the rest is always left to this node's own API requests), one peer never more
+    than `peer_kv_share` of it nor `max_peer_sessions` sessions (so one peer opening
+    sessions by the hundred cannot starve the other peers), and a remote open never
+    jumps ahead of an API request waiting for room (`KVBudget.try_reserve`). Session
+    counts are capped as well as tokens: a thousand one-token sessions would otherwise
+    fill the worker's session slots. Peers are counted by the peer on the other end of
+    the stream (proved by Noise), never by a name a frame gives.
+    """
+
+    def __init__(self, node: KVBudget, limits: PeerLimits) -> None:
+        self.node = node
+        self.limits = limits
+        self.total = max(0, int(node.total * limits.kv_share))
+        self.per_peer = max(0, int(node.total * limits.peer_kv_share))
+        self.reserved = 0
+        self._holds: dict[str, _PeerHold] = {}
+
+    @property
+    def sessions(self) -> int:
+        return sum(h.sessions for h in self._holds.values())
+
+    @property
+    def free(self) -> int:
+        """Tokens a new remote session could reserve now (as a record advertises them)."""
+        if self.sessions >= self.limits.max_sessions:
+            return 0
+        return max(0, min(self.total - self.reserved, self.node.free))
+
+    def held_by(self, peer_id: str) -> tuple[int, int]:
+        """(sessions, tokens) `peer_id` holds here now."""
+        hold = self._holds.get(peer_id, _PeerHold())
+        return hold.sessions, hold.tokens
+
+    def try_reserve(self, peer_id: str, tokens: int) -> str | None:
+        """Reserve now, or say why not (a refusal the coordinator routes around)."""
+        hold = self._holds.get(peer_id, _PeerHold())
+        limits = self.limits
+        if hold.sessions >= limits.max_peer_sessions:
+            return f"this stage holds its {limits.max_peer_sessions} sessions per peer for yours"
+        if hold.tokens + tokens > self.per_peer:
+            return (
+                f"no KV room for {tokens:,} tokens more from one peer "
+                f"({hold.tokens:,} of its {self.per_peer:,} held)"
+            )
+        if self.sessions >= limits.max_sessions:
+            return f"all {limits.max_sessions} remote session slots of this stage are busy"
+        if self.reserved + tokens > self.total or not self.node.try_reserve(tokens):
+            return (
+                f"no KV room for {tokens:,} tokens "
+                f"({self.free:,} of {self.total:,} free for remote sessions)"
+            )
+        self.reserved += tokens
+        hold.sessions += 1
+        hold.tokens += tokens
+        self._holds[peer_id] = hold
+        return None
+
+    def release(self, peer_id: str, tokens: int) -> None:
+        hold = self._holds.get(peer_id)
+        if hold is None:
+            return
+        hold.sessions -= 1
+        hold.tokens -= tokens
+        if hold.sessions <= 0:
+            del self._holds[peer_id]
+        self.reserved = max(0, self.reserved - tokens)
+        self.node.release(tokens)

@@ -21,7 +21,7 @@ from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
-from swarmd.pipeline.report import RequestRecord, RequestRing, ms
+from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
 
 log = logging.getLogger("swarmd.requests")
 
@@ -50,6 +50,9 @@ class Coordinator:
         self.chain_settings = chain_settings
         self.short_id = short_id
         self.ring = RequestRing()
+        # Failure reports of other stages that this node's checks disproved, per teller:
+        # shared by every request, so a peer that keeps naming honest ones is banned.
+        self.false_reports = FalseReports()
         # Told of every finished request, with the gaps between its tokens (metrics).
         self.observe: Callable[[RequestRecord, list[float]], None] | None = None
         self.in_flight = 0
@@ -76,7 +79,9 @@ class Coordinator:
             hop = Hop(self.short_id, model.layers)
             return LocalChain(self._worker, hop, self._limits.step_timeout_s)
         route, records = await plan(self.swarm, self.chain_settings, need_tokens)
-        return DistributedChain(self.swarm, self.chain_settings, route, records, need_tokens)
+        return DistributedChain(
+            self.swarm, self.chain_settings, route, records, need_tokens, self.false_reports
+        )
 
     @asynccontextmanager
     async def generation(

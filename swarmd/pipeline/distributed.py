@@ -4,30 +4,42 @@ It is the `StageChain` of a distributed request. Each session runs on a `Ring` (
 reached through the bridge). When a stage fails, the failover is the small algorithm of
 STYLE habit 8:
 
-1. ban the peer to blame (with the peer table's growing backoff; a stage that merely
-   refused is only left out of this request);
+1. ban the peer to blame, on this node's own evidence only (with the peer table's
+   growing backoff); a stage that declined, or a peer another stage's unconfirmed report
+   named, is only left out of this request, and the teller of a report that proved
+   false is charged (`report.FalseReports`: a repeat offender is the one banned);
 2. re-route only the broken range (`route.replan`: its standby, else any other holder);
 3. rebuild the session on the new route by replaying every step fed so far, as it was
    fed (the prompt's chunks, then each reply token; the last stage's sampler is told the
    reply tokens so penalties stay right), then retry the step that failed.
 
 At most `max_failovers` times per request; then `RouteFailedError`. When nobody holds a
-range any more, `NoRouteError` names the missing layers.
+range any more, `NoRouteError` names the missing layers. A stage that refused what the
+request asked ends the request with that 4xx at once (the ring raises a `RequestError`):
+no failover, nobody banned.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import InternalError, RouteFailedError, StageFailedError
+from swarmd.errors import (
+    InternalError,
+    NoRouteError,
+    RouteFailedError,
+    StageFailedError,
+    UnconfirmedReportError,
+)
 from swarmd.model.sampling import SamplingParams
-from swarmd.pipeline import wire
+from swarmd.net.loop_errors import first_of
+from swarmd.pipeline import bounds, wire
 from swarmd.pipeline.admission import needs_more_than
 from swarmd.pipeline.chain import Hop
+from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.route import Route, plan_route, replan
 from swarmd.pipeline.stage_service import StageService
@@ -117,8 +129,12 @@ class DistributedChain:
         route: Route,
         records: list[NodeRecord],
         need_tokens: int,
+        false_reports: FalseReports | None = None,
     ) -> None:
+        """`false_reports`: the node's ledger of reports that proved false (shared by its
+        requests, so a repeat offender is caught; a fresh one when not given)."""
         self._access = access
+        self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
         self.route = route
         self._records = records  # the holders the route was planned from (their addresses)
@@ -132,7 +148,7 @@ class DistributedChain:
         # Every step the ring has taken, as it was sent: a failover replays them one by one.
         self._steps: list[list[int]] = []
         self._reply: list[int] = []  # tokens sampled so far
-        self._excluded: set[str] = set()  # refused this request (not banned)
+        self._excluded: set[str] = set()  # left out of this request (not banned)
         self._stage_s: list[float] = [0.0] * len(route.stages)
         self._activation_bytes = 0
         self._attempt = 0
@@ -176,7 +192,10 @@ class DistributedChain:
                 if token is not None:
                     self._reply.append(token)
                 return token
-            except StageFailedError as exc:
+            except (StageFailedError, BaseExceptionGroup) as caught:
+                exc = first_of(caught, StageFailedError)
+                if exc is None:
+                    raise
                 await self._fail_over(exc)
 
     async def _step(self, token_ids: list[int], want: bool, alone: bool = False) -> int | None:
@@ -194,27 +213,24 @@ class DistributedChain:
         if self._sampling is None:
             raise InternalError("open() first")
         self._attempt += 1
-        route = self.route
-        records = {r.peer_id: r for r in self._records}
-        addrs = {p: records[p].addrs for p in route.peers if p in records}
-        addrs[self._access.peer_id] = tuple(self._access.listen_addrs())
-        request = wire.OpenRequest(
-            sid=f"{self._session_id}.{self._attempt}",
-            hop=0,
-            route=tuple(wire.RouteHop(s.peer_id, s.start, s.end) for s in route.stages),
-            addrs={p: _dialable(p, v) for p, v in addrs.items()},
-            coordinator=self._access.peer_id,
-            model_id=self._settings.model_id,
-            max_length=self._max_length,
-            sampling=self._sampling,
-            history=tuple(self._reply),
+        request = open_request(
+            f"{self._session_id}.{self._attempt}",
+            self.route,
+            self._records,
+            self._access.peer_id,
+            tuple(self._access.listen_addrs()),
+            self._settings,
+            self._max_length,
+            self._sampling,
+            tuple(self._reply),
         )
         ring = Ring(
             self._access.stage_service, request, self._settings.timeouts, self._settings.vocab_size
         )
         self._ring = ring
         await self._access.in_trio(ring.open)
-        for tokens, alone in replay_steps(self._steps, self._settings.chunk_tokens):
+        chunk = min(self._settings.chunk_tokens, bounds.MAX_STEP_TOKENS)
+        for tokens, alone in replay_steps(self._steps, chunk):
             await self._step(tokens, False, alone)
 
     async def _fail_over(self, exc: StageFailedError) -> None:
@@ -236,35 +252,64 @@ class DistributedChain:
             ) from exc
         if peer == self._access.peer_id:
             peer = None  # a link to this node failed: the route is retried, nobody banned
-        if peer is not None:
-            if exc.kind == "refused":
-                self._excluded.add(peer)
-            else:
-                await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
-        records = self._records = await self._access.holders(self._settings.model_id)
-        banned = self._access.banned() | self._excluded
+        if not await self._blame(exc, peer):
+            peer = None  # nobody's stage to replace: the route is planned afresh
+        self._records = await self._access.holders(self._settings.model_id)
         old = self.route
-        if peer is not None and peer in old.peers:
-            self.route = replan(
-                old,
-                peer,
-                records,
-                rtt_ms=self._access.rtt_ms(),
-                banned=banned,
-                need_tokens=self._need_tokens,
-            )
-        else:  # nobody to blame: try a fresh route (maybe the same peers)
-            self.route = plan_route(
-                old.model_id,
-                old.num_layers,
-                self._access.peer_id,
-                records,
-                rtt_ms=self._access.rtt_ms(),
-                banned=banned,
-                need_tokens=self._need_tokens,
-            )
+        try:
+            self.route = self._replan(peer)
+        except NoRouteError:
+            if not isinstance(exc, UnconfirmedReportError) or peer is None:
+                raise
+            # Only the named peer holds its range: one of the two is at fault, so this
+            # request avoids the teller instead.
+            self._excluded.discard(peer)
+            self._excluded.add(exc.reporter)
+            self.route = self._replan(exc.reporter)
         self.hops = _hops(self.route)
         self._stage_s = _carry_over(old, self.route, self._stage_s)
+
+    def _replan(self, peer: str | None) -> Route:
+        """The route with `peer`'s stage replaced (None: planned afresh), avoiding every
+        banned or left-out peer."""
+        banned = self._access.banned() | self._excluded
+        if peer is not None and peer in self.route.peers:
+            return replan(
+                self.route,
+                peer,
+                self._records,
+                rtt_ms=self._access.rtt_ms(),
+                banned=banned,
+                need_tokens=self._need_tokens,
+            )
+        return plan_route(  # nobody to blame: a fresh route (maybe the same peers)
+            self.route.model_id,
+            self.route.num_layers,
+            self._access.peer_id,
+            self._records,
+            rtt_ms=self._access.rtt_ms(),
+            banned=banned,
+            need_tokens=self._need_tokens,
+        )
+
+    async def _blame(self, exc: StageFailedError, peer: str | None) -> bool:
+        """Ban, leave out or charge, as `exc` warrants; True when `peer`'s stage is the
+        one to replace (False: nobody named, or a report's teller banned instead)."""
+        if isinstance(exc, UnconfirmedReportError):
+            # Another peer's word, and the peer it named answered our check: that peer is
+            # avoided for this request; a teller whose reports keep proving false is banned.
+            if exc.disproved and self._false_reports.add(exc.reporter):
+                n, window = self._false_reports.limit, self._false_reports.window_s
+                why = f"{n} failure reports in {window:g} s proved false"
+                await self._access.ban(exc.reporter, why)
+                return False  # and its word about the named peer is dismissed
+            if peer is not None:
+                self._excluded.add(peer)
+        elif peer is not None and exc.kind == "declined":
+            self._excluded.add(peer)
+        elif peer is not None:
+            await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
+        return peer is not None
 
 
 def replay_steps(steps: list[list[int]], chunk: int) -> list[tuple[list[int], bool]]:
@@ -289,6 +334,35 @@ def replay_steps(steps: list[list[int]], chunk: int) -> list[tuple[list[int], bo
         if step:
             out.append((step, False))
     return out
+
+
+def open_request(
+    sid: str,
+    route: Route,
+    records: list[NodeRecord],
+    me: str,
+    my_addrs: tuple[str, ...],
+    settings: ChainSettings,
+    max_length: int,
+    sampling: SamplingParams,
+    history: tuple[int, ...],
+) -> wire.OpenRequest:
+    """The `open` frame's request for stage 0 of `route` (pure). `top_k` travels as the
+    wire reads it (`bounds.wire_top_k`: off at or over the vocabulary)."""
+    by_peer = {r.peer_id: r for r in records}
+    addrs = {p: by_peer[p].addrs for p in route.peers if p in by_peer}
+    addrs[me] = my_addrs
+    return wire.OpenRequest(
+        sid=sid,
+        hop=0,
+        route=tuple(wire.RouteHop(s.peer_id, s.start, s.end) for s in route.stages),
+        addrs={p: _dialable(p, v) for p, v in addrs.items()},
+        coordinator=me,
+        model_id=settings.model_id,
+        max_length=max_length,
+        sampling=replace(sampling, top_k=bounds.wire_top_k(sampling.top_k, settings.vocab_size)),
+        history=history,
+    )
 
 
 def _dialable(peer_id: str, addrs: tuple[str, ...] | list[str]) -> tuple[str, ...]:

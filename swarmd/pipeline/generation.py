@@ -14,6 +14,7 @@ from typing import Literal
 from swarmd.errors import ClientDisconnectedError, InternalError
 from swarmd.model.sampling import SamplingParams
 from swarmd.model.text import IncrementalDetokenizer, StopMatcher, TextCodec
+from swarmd.pipeline import bounds
 from swarmd.pipeline.chain import StageChain
 
 FinishReason = Literal["stop", "length"]
@@ -70,7 +71,9 @@ class Generation:
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0  # prompt tokens reused from a cached conversation
         self._codec = codec
-        self._chunk = chunk
+        # A step frame carries at most bounds.MAX_STEP_TOKENS: a larger configured chunk
+        # would make every stage 0 take the coordinator's steps for garbage.
+        self._chunk = max(1, min(chunk, bounds.MAX_STEP_TOKENS))
 
     @property
     def completion_tokens(self) -> int:

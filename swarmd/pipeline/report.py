@@ -1,5 +1,5 @@
-"""What requests and failures leave behind: the DIAG line, the recent-requests ring and
-the failure ring."""
+"""What requests and failures leave behind: the DIAG line, the recent-requests ring, the
+failure ring, and the ledger of failure reports that proved false."""
 
 from __future__ import annotations
 
@@ -131,3 +131,43 @@ class FailureRing(logging.Handler):
 
     def recent(self) -> list[Failure]:
         return list(self._failures)
+
+
+class FalseReports:
+    """Which peers keep telling this node of failures that its own checks disprove.
+
+    A stage's `fail` report naming another peer is only that stage's word. The
+    coordinator checks it (a ping of the peer it names); when the named peer answers, the
+    report is false and is charged to its teller. The rule: a teller with `limit` false
+    reports within `window_s` seconds is banned (`add` returns True, and its count starts
+    again, so the ban's own backoff decides how long it stays out).
+
+    Three in ten minutes forgives the odd honest report that a ping cannot confirm (a
+    link between two stages that broke while both still answer this node) and still
+    catches a peer that names an honest neighbour on every request.
+    """
+
+    def __init__(self, limit: int = 3, window_s: float = 600.0, max_tellers: int = 4096) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._max_tellers = max_tellers  # a bound on what throwaway peer ids can fill
+        self._charged: dict[str, deque[float]] = {}
+
+    def add(self, teller: str, now: float | None = None) -> bool:
+        """Charge `teller` with one false report; True: ban it now."""
+        now = time.monotonic() if now is None else now
+        times = self._charged.pop(teller, None) or deque()
+        times.append(now)
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if len(times) >= self.limit:
+            return True  # dropped from the ledger: the ban takes over
+        self._charged[teller] = times  # re-inserted: the most recently charged is newest
+        while len(self._charged) > self._max_tellers:
+            self._charged.pop(next(iter(self._charged)))
+        return False
+
+    def count(self, teller: str, now: float | None = None) -> int:
+        """False reports charged to `teller` within the window."""
+        now = time.monotonic() if now is None else now
+        return sum(1 for t in self._charged.get(teller, ()) if t > now - self.window_s)

@@ -5,13 +5,25 @@
 `step` sends token ids to stage 0 and waits for the token that comes back round the ring.
 Two reader tasks turn what arrives (tokens on the return stream, failure reports from
 either end, a link going away) into events; a failure becomes `StageFailedError` naming
-the stage to blame:
+the stage to blame, on this node's own evidence only:
 
-- a `fail` report names its peer;
+- a bad frame on one of this node's links: the peer at the other end ("bad");
 - stage 0's link gone without a report: stage 0;
 - the return stream gone: the last stage, unless a report arrives within `REPORT_GRACE_S`;
 - nothing at all within the step timeout: the first stage that does not answer a ping,
   else nobody in particular (kind "lost", peer None).
+
+A `fail` report is another peer's word, never evidence by itself. A report naming peer Y
+is checked: Y not answering a ping is this node's own evidence (Y is to blame, "lost");
+Y answering makes it `UnconfirmedReportError`: Y is avoided for this request only. When
+the check disproves the report (Y said to be lost answers; a peer not on the route sent
+nothing), the reporter - the nearest other peer on the way the report came, the one that
+handed it over - is charged with a false report (`report.FalseReports` bans a repeat
+offender). A "bad frame" report a ping cannot disprove: Y may feed one neighbour garbage
+and answer this node, so that teller is never charged (the neighbour bans Y itself). A
+stage naming itself confesses, and is blamed; a report naming this node blames nobody.
+A `refused` report fails the request with its 4xx (`InvalidRequestError`, or
+`KVRoomError` for 413); a `declined` one leaves its stage out of this request.
 
 The ring never retries: failover is the caller's (`distributed.DistributedChain`).
 """
@@ -27,7 +39,19 @@ from typing import Any
 import torch
 import trio
 
-from swarmd.errors import InternalError, MalformedFrameError, PeerError, StageFailedError
+from swarmd.errors import (
+    FrameError,
+    InternalError,
+    InvalidRequestError,
+    KVRoomError,
+    MalformedFrameError,
+    PeerError,
+    RequestError,
+    StageFailedError,
+    SwarmError,
+    UnconfirmedReportError,
+)
+from swarmd.net.loop_errors import first_of
 from swarmd.net.rpc import call_ping
 from swarmd.pipeline import wire
 from swarmd.pipeline.stage_service import REPORT_TIMEOUT_S, Link, StageService
@@ -49,6 +73,7 @@ class _Event:
     source: str  # "up" (stage 0's link), "ret" (the return stream), "ready" (it arrived)
     frame: dict[str, Any] | None  # None: the link ended
     error: str = ""  # why it ended, or why the frame was refused
+    bad: bool = False  # it ended on bytes that were no frame: the sender's fault
 
 
 class Ring:
@@ -76,7 +101,10 @@ class Ring:
         try:
             self._up = await self._service.dial(first, req.addrs.get(first, ()))
             await self._up.send(wire.open_frame(req))
-        except PeerError as exc:
+        except (PeerError, BaseExceptionGroup) as caught:
+            exc = first_of(caught, PeerError)
+            if exc is None:
+                raise
             raise StageFailedError(f"stage {first[-8:]} unreachable: {exc}", first, "lost") from exc
         self._service.spawn(self._read, "up", self._up)
         opened = False
@@ -145,13 +173,17 @@ class Ring:
             while not self._closed:
                 frame = await link.recv(math.inf)
                 self._tx.send_nowait(_Event(source, frame))
-        except PeerError as exc:
+        except (PeerError, BaseExceptionGroup) as caught:
+            exc = first_of(caught, PeerError)
+            if exc is None:
+                raise
             if not self._closed:
-                self._tx.send_nowait(_Event(source, None, str(exc)))
+                bad = isinstance(exc, FrameError)
+                self._tx.send_nowait(_Event(source, None, str(exc), bad))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the ring closed while this frame arrived
 
-    async def _report_or(self, default: StageFailedError) -> StageFailedError:
+    async def _report_or(self, default: StageFailedError) -> SwarmError:
         """A failure report that arrives within REPORT_GRACE_S, else `default`."""
         with trio.move_on_after(REPORT_GRACE_S):
             while True:
@@ -160,28 +192,71 @@ class Ring:
                     return await self._failure(event)
         return default
 
-    async def _failure(self, event: _Event) -> StageFailedError:
-        route = self._req.route
+    async def _failure(self, event: _Event) -> SwarmError:
+        """What the ring's failure is: a `StageFailedError` (fail over), or the
+        `RequestError` a stage's refusal of the request makes."""
+        sender = self._link_peer(event.source)
         if event.frame is not None:
             if event.frame.get("t") == "end":  # a stage timed the session out (idle)
                 return await self._report_or(
                     StageFailedError("a stage ended the session (idle timeout)", None, "lost")
                 )
             if event.frame.get("t") != "fail":
-                sender = route[0] if event.source == "up" else route[-1]
-                return self._bad(sender.peer_id, f"unexpected {str(event.frame.get('t'))[:10]}")
+                return self._bad(sender, f"unexpected {str(event.frame.get('t'))[:10]}")
             try:
                 fail = wire.parse_fail(event.frame)
             except MalformedFrameError as exc:
-                sender = route[0] if event.source == "up" else route[-1]
-                return self._bad(sender.peer_id, str(exc))
-            peer = fail.peer_id if fail.peer_id in {h.peer_id for h in route} else None
-            return StageFailedError(fail.why, peer, fail.kind)
+                return self._bad(sender, str(exc))
+            return await self._judge(fail, event.source)
+        if event.bad:
+            return self._bad(sender, event.error)
         # A link broke: a stage may be reporting why (stage 0 closes its link after
         # reporting a stage behind it; the return stream breaks when any stage goes).
-        peer = route[0].peer_id if event.source == "up" else route[-1].peer_id
-        lost = StageFailedError(f"stage {peer[-8:]} lost: {event.error}", peer, "lost")
+        lost = StageFailedError(f"stage {sender[-8:]} lost: {event.error}", sender, "lost")
         return await self._report_or(lost)
+
+    async def _judge(self, fail: wire.Fail, source: str) -> SwarmError:
+        """A stage's report, weighed: believed only as far as this node can check it."""
+        me = self._service.peer_id
+        in_route = {h.peer_id for h in self._req.route}
+        named = fail.peer_id if fail.peer_id in in_route and fail.peer_id != me else None
+        if fail.kind == "refused":
+            return refusal_error(fail)
+        if fail.kind == "declined":
+            return StageFailedError(fail.why, named, "declined")
+        reporter = self._reporter(source)
+        if fail.peer_id == me or reporter is None:
+            return StageFailedError(fail.why, None, fail.kind)  # nothing to check, nobody to ban
+        if named == reporter:  # it says it failed itself
+            return StageFailedError(fail.why, named, fail.kind)
+        if named is not None and not await self._answers_ping(named):
+            why = f"{fail.why}; stage {named[-8:]} does not answer a ping"
+            return StageFailedError(why, named, "lost")
+        # A ping disproves "lost"; a "bad" frame it cannot disprove (the named peer may
+        # send garbage to one neighbour and answer this node), so that teller is not charged.
+        disproved = named is None or fail.kind == "lost"
+        why = f"unconfirmed report from {reporter[-8:]}: {fail.why}"
+        return UnconfirmedReportError(why, named, fail.kind, reporter, disproved)
+
+    def _link_peer(self, source: str) -> str:
+        """The peer at the other end of this node's link: stage 0, or the last stage."""
+        route = self._req.route
+        return route[0].peer_id if source == "up" else route[-1].peer_id
+
+    def _reporter(self, source: str) -> str | None:
+        """Who handed a report over: the nearest other peer on the side it came from (this
+        node's own stage service relays honestly, so past it, its neighbour)."""
+        hops = self._req.route if source == "up" else tuple(reversed(self._req.route))
+        return next((h.peer_id for h in hops if h.peer_id != self._service.peer_id), None)
+
+    async def _answers_ping(self, peer_id: str) -> bool:
+        try:
+            await call_ping(self._service.host, peer_id, PROBE_TIMEOUT_S, rounds=1)
+        except (PeerError, BaseExceptionGroup) as caught:
+            if first_of(caught, PeerError) is None:
+                raise
+            return False
+        return True
 
     def _bad(self, peer_id: str, why: str) -> StageFailedError:
         return StageFailedError(f"bad frame from stage {peer_id[-8:]}: {why}", peer_id, "bad")
@@ -191,9 +266,15 @@ class Ring:
         for hop in self._req.route:
             if hop.peer_id == self._service.peer_id:
                 continue
-            try:
-                await call_ping(self._service.host, hop.peer_id, PROBE_TIMEOUT_S, rounds=1)
-            except PeerError:
+            if not await self._answers_ping(hop.peer_id):
                 why = f"{why}; stage {hop.peer_id[-8:]} is silent"
                 return StageFailedError(why, hop.peer_id, "lost")
         return StageFailedError(why, None, "lost")
+
+
+def refusal_error(fail: wire.Fail) -> RequestError:
+    """The client's error for a stage's refusal of what the request asked."""
+    message = f"A stage of the route refused the request: {fail.why}"
+    if fail.status == 413:
+        return KVRoomError(message, fail.param)
+    return InvalidRequestError(message, fail.param)

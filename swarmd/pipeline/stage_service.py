@@ -13,6 +13,11 @@ the worker) and the next stage's stream is closed, so the whole ring unwinds. Fa
 reported towards the coordinator in both directions (see `wire`), and a peer that sent
 garbage is banned.
 
+Limits per peer: another peer's sessions draw on `PeerBudget` (a part of the node's KV
+budget, capped per peer and in all); a session nobody steps is freed soon after its open
+timeout; the next stage is dialed only on addresses its signed record lists, within one
+open timeout, and a dial that fails is reported without its error (`UNREACHABLE`).
+
 `dial` also gives the coordinator its links: a peer's stream, or, for this node itself,
 an in-memory `LoopLink` to this same service, so a route through the coordinator's own
 layers runs the same code.
@@ -31,6 +36,7 @@ import trio
 
 from swarmd.errors import (
     DialError,
+    FrameError,
     InternalError,
     MalformedFrameError,
     OverloadedError,
@@ -42,8 +48,9 @@ from swarmd.errors import (
 )
 from swarmd.model.worker import CloseJob, Job, OpenJob, StepJob
 from swarmd.net.host import P2PHost
+from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import wire
-from swarmd.pipeline.admission import KVBudget
+from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,15 @@ RunJob = Callable[[Job, float], Awaitable[Any]]
 
 Ban = Callable[[str, str], Awaitable[None]]
 
+SignedAddrs = Callable[[str, bool], Awaitable[frozenset[str] | None]]
+"""`await signed_addrs(peer_id, fresh)`: the addresses that peer's signed record lists (None:
+no record known); from the records known already, or, `fresh`, from a lookup. The only
+addresses a next hop is dialed on."""
+
 REPORT_TIMEOUT_S = 1.0  # a failure report is best effort: never wait long to send it
+# All a failure report says of a next stage this stage could not reach: the dial's error
+# (refused, timed out, wrong peer) would make an `open` frame a port scanner.
+UNREACHABLE = "next stage unreachable"
 
 
 class Link(Protocol):
@@ -132,9 +147,14 @@ class StageService:
         ban: Ban,
         timeouts: StageTimeouts,
         budget: KVBudget,
+        peers: PeerBudget | None = None,
+        signed_addrs: SignedAddrs | None = None,
     ) -> None:
         """`dtype`: what this node's stage takes hidden states in (received ones are cast);
-        `budget`: the node's KV tokens, which every session opened here reserves."""
+        `budget`: the node's KV tokens, which this node's own sessions reserve; `peers`: the
+        part of it other peers' sessions may hold (default: `PeerLimits()` of `budget`);
+        `signed_addrs`: the peers' signed addresses (None: a next hop is reached only over
+        a connection this node already has)."""
         self.host = host
         self.limits = limits
         self.timeouts = timeouts
@@ -142,6 +162,8 @@ class StageService:
         self._run = run
         self._ban = ban
         self._budget = budget
+        self.peer_budget = peers or PeerBudget(budget, PeerLimits())
+        self._signed_addrs = signed_addrs
         self._pending: dict[str, PendingReturn] = {}
         self._nursery: trio.Nursery | None = None
         host.set_handler(wire.STAGE_PROTOCOL, self._serve)
@@ -230,26 +252,38 @@ class StageService:
 
     async def _serve_session(self, up: Link, first: dict[str, Any]) -> None:
         try:
-            req = wire.parse_open(first, self.limits)
-        except StageRefusedError as exc:
-            await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
+            req = wire.parse_open(first, self.limits)  # its history within its max_len too
+        except StageRefusedError as exc:  # declined, or refused for what the request asked
+            await _report(up, wire.refusal_frame(self.peer_id, exc))
             return
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
-        if not self._budget.try_reserve(req.max_length):
-            # Refused, not failed: the coordinator leaves this stage out of this request only.
-            budget = self._budget
-            why = (
-                f"no KV room for {req.max_length:,} tokens "
-                f"({budget.free:,} of {budget.total:,} free)"
-            )
-            await _report(up, wire.fail_frame(self.peer_id, why, "refused"))
+        why = self._reserve(up.peer_id, req.max_length)
+        if why is not None:
+            # Declined, not failed: the coordinator leaves this stage out of this request only.
+            await _report(up, wire.fail_frame(self.peer_id, why, "declined"))
             return
         try:
             await self._open_and_run(up, req)
         finally:
-            self._budget.release(req.max_length)
+            self._release(up.peer_id, req.max_length)
+
+    def _reserve(self, peer_id: str, tokens: int) -> str | None:
+        """Room for a session, or why not. This node's own sessions (its routes through its
+        own layers, on a `LoopLink`) draw on its budget; another peer's on the peers' part."""
+        if peer_id != self.peer_id:
+            return self.peer_budget.try_reserve(peer_id, tokens)
+        if self._budget.try_reserve(tokens):
+            return None
+        budget = self._budget
+        return f"no KV room for {tokens:,} tokens ({budget.free:,} of {budget.total:,} free)"
+
+    def _release(self, peer_id: str, tokens: int) -> None:
+        if peer_id != self.peer_id:
+            self.peer_budget.release(peer_id, tokens)
+        else:
+            self._budget.release(tokens)
 
     async def _open_and_run(self, up: Link, req: wire.OpenRequest) -> None:
         sid = req.sid
@@ -262,7 +296,7 @@ class StageService:
                 await self._run(opening, self.timeouts.step_s)
             except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
                 refused = True  # nothing of this stream's to free (nor another's to touch)
-                await _report(up, wire.fail_frame(self.peer_id, str(exc), "refused"))
+                await _report(up, wire.fail_frame(self.peer_id, str(exc), "declined"))
                 return
             await self._run_session(up, req)
         finally:
@@ -275,10 +309,19 @@ class StageService:
     async def _run_session(self, up: Link, req: wire.OpenRequest) -> None:
         nxt = req.next_peer
         try:
-            down = await self.dial(nxt, req.addrs.get(nxt, ()))
-        except PeerError as exc:
-            _session_failed(req.sid, nxt, f"cannot reach the next stage: {exc}")
-            await _report(up, wire.fail_frame(nxt, f"cannot reach {nxt[-8:]}: {exc}", "lost"))
+            # One deadline for the whole way there: every address, the redial, the stream.
+            with trio.fail_after(self.timeouts.open_s):
+                addrs = await self._next_hop_addrs(nxt, req.addrs.get(nxt, ()))
+                if addrs is None:
+                    # Addresses its signed record does not list: never dialed. The
+                    # coordinator routes around the hop for this request; nobody is banned.
+                    _session_failed(req.sid, nxt, "its addresses are not in its signed record")
+                    await _report(up, wire.fail_frame(nxt, UNREACHABLE, "declined"))
+                    return
+                down = await self.dial(nxt, addrs)
+        except (PeerError, trio.TooSlowError) as exc:
+            _session_failed(req.sid, nxt, f"cannot reach the next stage: {exc!s:.300}")
+            await _report(up, wire.fail_frame(nxt, UNREACHABLE, "lost"))
             return
         try:
             hello = (
@@ -291,26 +334,56 @@ class StageService:
                 nursery.start_soon(self._watch_downstream, up, down, nursery.cancel_scope)
                 await self._forward(up, down, req)
                 nursery.cancel_scope.cancel()
-        except PeerError as exc:  # the next stage is gone
+        except (PeerError, BaseExceptionGroup) as caught:  # the next stage is gone
+            # A nursery wraps what its tasks raise in a group: find the real error.
+            exc = first_of(caught, PeerError)
+            if exc is None:
+                raise
             _session_failed(req.sid, nxt, f"the next stage is gone: {exc}")
             await _report(up, wire.fail_frame(nxt, f"stage {nxt[-8:]} lost: {exc}", "lost"))
         finally:
             await down.close()
 
+    async def _next_hop_addrs(self, peer_id: str, named: tuple[str, ...]) -> tuple[str, ...] | None:
+        """The addresses of `named` this stage may dial for the next hop; None when the open
+        is to be refused: one its signed record does not list, or no record to check."""
+        if peer_id == self.peer_id or not named:
+            return ()  # an in-memory link, or whatever libp2p already knows of the peer
+        if peer_id in self.host.connected_peers():
+            return ()  # the connection it has: the frame's addresses are not dialed
+        if self._signed_addrs is None:
+            return None
+        signed = await self._signed_addrs(peer_id, False)
+        if signed is None or not set(named) <= signed:
+            signed = await self._signed_addrs(peer_id, True)  # unknown, or it moved on
+        return named if signed is not None and set(named) <= signed else None
+
+    def _first_step_s(self, req: wire.OpenRequest) -> float:
+        """How long a new session waits for its first step: the ring's open, then the
+        stages before this one computing the first chunk. A session nobody steps (its
+        coordinator vanished, or its open timed out further down) is freed after this."""
+        return 2 * self.timeouts.open_s + req.hop * self.timeouts.step_s
+
     async def _forward(self, up: Link, down: Link, req: wire.OpenRequest) -> None:
         """Steps from upstream, through this stage, on downstream; until the session ends."""
         n = 0
         while True:
+            wait_s = (
+                self.timeouts.idle_s if n else min(self.timeouts.idle_s, self._first_step_s(req))
+            )
             try:
-                frame = await up.recv(self.timeouts.idle_s)
+                frame = await _recv(up, wait_s)
             except RecvTimeoutError:
-                log.info("stage session %s idle for %g s: freed", req.sid, self.timeouts.idle_s)
+                log.info("stage session %s idle for %g s: freed", req.sid, wait_s)
                 await _report(down, wire.END_FRAME)
                 return
             except StreamClosedError as exc:  # gone without `end`
                 _session_failed(req.sid, up.peer_id, f"the previous hop is gone: {exc}")
                 why = f"stage {up.peer_id[-8:]} lost: {exc}"
                 await _report(down, wire.fail_frame(up.peer_id, why, "lost"))
+                return
+            except FrameError as exc:  # garbage bytes from upstream: its fault, not the next's
+                await self._bad_upstream(up, down, _as_malformed(exc), req.sid)
                 return
             try:
                 kind = wire.frame_type(frame)
@@ -348,11 +421,11 @@ class StageService:
     async def _watch_downstream(self, up: Link, down: Link, scope: trio.CancelScope) -> None:
         """Failure reports from downstream go upstream; so does the loss of the next stage."""
         try:
-            frame = await down.recv(math.inf)
+            frame = await _recv(down, math.inf)
             if wire.frame_type(frame) != "fail":
                 raise MalformedFrameError("only fail frames travel upstream")
             await _report(up, _relayed(frame))
-        except MalformedFrameError as exc:
+        except FrameError as exc:  # not only a bad field: bytes that are no frame at all
             why = f"bad frame from stage {down.peer_id[-8:]}: {exc}"
             await _report(up, wire.fail_frame(down.peer_id, why, "bad"))
             await self._ban_peer(down.peer_id, why)
@@ -380,10 +453,27 @@ class StageService:
             await self._ban(peer_id, why)
 
 
+async def _recv(link: Link, timeout_s: float) -> dict[str, Any]:
+    """`link.recv`, with the peer error inside an exception group (a stream that reads in a
+    nursery of its own) raised as itself, so the handler for that error sees it."""
+    try:
+        return await link.recv(timeout_s)
+    except BaseExceptionGroup as group:
+        exc = first_of(group, PeerError)
+        if exc is None:
+            raise
+        raise exc from group
+
+
+def _as_malformed(exc: FrameError) -> MalformedFrameError:
+    if isinstance(exc, MalformedFrameError):
+        return exc
+    return MalformedFrameError(str(exc), exc.peer_id)
+
+
 def _relayed(frame: dict[str, Any]) -> dict[str, Any]:
     """A failure report from another stage, checked, to pass on toward the coordinator."""
-    fail = wire.parse_fail(frame)
-    return wire.fail_frame(fail.peer_id, fail.why, fail.kind)
+    return wire.relay_frame(frame)
 
 
 def request_id_of(sid: str) -> str:

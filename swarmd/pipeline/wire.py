@@ -18,29 +18,58 @@ then, downstream, one frame per chunk of tokens:
 `ms` lists each stage's compute milliseconds for this step so far, `ab` the activation
 bytes sent between stages. A stage that sees something fail sends
 
-    fail   {"t": "fail", "peer", "why", "kind"}     kind: lost | bad | refused
+    fail   {"t": "fail", "peer", "why", "kind"}     kind: lost | bad | declined
+    fail   {"t": "fail", "peer", "why", "kind": "refused", "status", "param"}
 
 towards the coordinator: upstream when its next stage is lost, downstream (on through the
 last stage's return stream) when what came from upstream is bad or was cut. The report
-moves away from the peer it names, so a faulty peer cannot swallow it.
+moves away from the peer it names, so a faulty peer cannot swallow it. `declined`: the
+stage cannot take this session now or here (no KV room or slot, layers it no longer
+holds); the coordinator routes around it. `refused`: the *request* asked what the stage
+will not serve (`status` 400 or 413, `param` the parameter): the request fails with
+that status, nobody is banned, nothing fails over.
 
 Everything here comes from peers: every field is checked, explicitly, before use.
 Structural garbage raises `MalformedFrameError` (the sender is banned); a well-formed
-request this node cannot serve raises `StageRefusedError` (answered, nobody banned).
+request this node cannot serve raises `StageRefusedError` (answered, nobody banned), and
+one whose request asked for a value out of the bounds of `bounds` raises
+`RequestRefusedError`. Text a peer chose (`why`) is made one printable line on parse.
+
+Each frame above is declared once below, as a `Schema` of its fields (their types and
+the bounds that need nothing but the field); its builder emits exactly those keys and
+its parser reads them with `swarmd.untrusted`'s readers (every type error is
+`MalformedFrameError`), then checks in code what spans fields or needs the node's
+limits (route order, hop, vocabulary, shape against bytes) and, last, the refusals.
 """
 
 from __future__ import annotations
 
-import math
+import string
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from swarmd.dtypes import COMPUTE_DTYPES, dtype_name, torch_dtype
-from swarmd.errors import MalformedFrameError, StageRefusedError
+from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import SamplingParams
+from swarmd.net.safe_text import safe_text
+from swarmd.pipeline import bounds
+from swarmd.untrusted import (
+    Bool,
+    Bytes,
+    Choice,
+    Float,
+    Int,
+    List,
+    Map,
+    Nullable,
+    Schema,
+    Str,
+    Struct,
+    Tuple,
+)
 
 STAGE_PROTOCOL = "/swarmd/stage/1"
 
@@ -49,10 +78,12 @@ MAX_ROUTE_STAGES = 64
 MAX_ADDRS_PER_PEER = 8
 MAX_ADDR_CHARS = 256
 MAX_PEER_ID_CHARS = 128
-MAX_STEP_TOKENS = 1024  # tokens in one step frame (prefill chunks are smaller)
+MAX_STEP_TOKENS = bounds.MAX_STEP_TOKENS  # tokens in one step frame
 MAX_WHY_CHARS = 500
-MAX_LOGIT_BIAS = 1024
-FAIL_KINDS = ("lost", "bad", "refused")
+MAX_LOGIT_BIAS = bounds.MAX_LOGIT_BIAS
+MAX_CONTEXT_TOKENS = bounds.MAX_CONTEXT_TOKENS
+FAIL_KINDS = ("lost", "bad", "declined", "refused")
+REFUSAL_STATUSES = (400, 413)
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,8 @@ class Fail:
     peer_id: str
     why: str
     kind: str
+    status: int | None = None  # a refusal's HTTP status (400 | 413); None otherwise
+    param: str | None = None  # the request parameter a refusal names, when one does
 
 
 @dataclass(frozen=True)
@@ -128,6 +161,107 @@ class TokenReply:
     token: int | None
     stage_ms: tuple[float, ...]
     activation_bytes: int
+
+
+# --- the frames, each declared once ------------------------------------------------------
+
+_ASCII_ALNUM = frozenset(string.ascii_letters + string.digits)
+PEER_ID = Str(MAX_PEER_ID_CHARS, min_chars=1, alphabet=_ASCII_ALNUM)
+SID = Str(MAX_SID_CHARS, min_chars=1, alphabet=_ASCII_ALNUM | frozenset("-_."))
+COUNTER = Int(0, 2**62)  # a step number, a byte count
+ANY_INT = Int()  # any int msgpack carries; what it means is checked after the field pass
+NUMBER = Float()  # any finite number; its bound (a refusal) is checked after
+STAGE_MS = List(Float(0.0, 1e9), MAX_ROUTE_STAGES)
+TOKEN_IDS = Bytes(MAX_STEP_TOKENS, item_size=4, what="int32")
+
+SAMPLING = Schema(
+    "sampling",
+    (
+        *((b.name, NUMBER) for b in bounds.SAMPLING_NUMBERS),
+        ("top_k", ANY_INT),
+        # How many entries, and which tokens and values, is what the request asked.
+        ("logit_bias", List(Tuple((("token", ANY_INT), ("value", NUMBER))), None)),
+        ("seed", Nullable(ANY_INT)),
+    ),
+)
+OPEN = Schema(
+    "open frame",
+    (
+        ("t", Choice(("open",))),
+        ("sid", SID),
+        ("hop", Int(0, MAX_ROUTE_STAGES - 1)),
+        (
+            "route",
+            List(
+                Tuple((("peer", PEER_ID), ("start", Int(0)), ("end", Int(0)))),
+                MAX_ROUTE_STAGES,
+                min_len=1,
+            ),
+        ),
+        (
+            "addrs",
+            Map(PEER_ID, List(Str(MAX_ADDR_CHARS), MAX_ADDRS_PER_PEER), MAX_ROUTE_STAGES + 1),
+        ),
+        ("coord", PEER_ID),
+        ("model", Str(200)),
+        ("max_len", Int(1, MAX_CONTEXT_TOKENS)),
+        ("sampling", Struct(SAMPLING)),
+        ("history", Bytes(MAX_CONTEXT_TOKENS, item_size=4, what="int32")),
+    ),
+)
+RET = Schema("ret frame", (("t", Choice(("ret",))), ("sid", SID)))
+_STEP_COMMON = (
+    ("t", Choice(("step",))),
+    ("n", COUNTER),
+    ("want", Bool()),
+    ("alone", Bool()),
+    ("ms", STAGE_MS),
+    ("ab", COUNTER),
+)
+STEP_IDS = Schema("step frame", (*_STEP_COMMON, ("ids", TOKEN_IDS)))
+HIDDEN = Schema(
+    "hidden state",
+    (
+        ("dt", Choice(tuple(COMPUTE_DTYPES), "hidden state dtype")),
+        ("shape", Tuple((("tokens", ANY_INT), ("hidden", ANY_INT)))),
+        ("h", Bytes(2**62)),  # its size is what shape and dtype say, checked after
+    ),
+)
+STEP_HIDDEN = Schema("step frame", (*_STEP_COMMON, *HIDDEN.required))
+TOK = Schema(
+    "tok frame",
+    (
+        ("t", Choice(("tok",))),
+        ("n", COUNTER),
+        ("id", Int(-1, 2**31 - 1)),  # -1: none; below the vocabulary, checked after
+        ("ms", STAGE_MS),
+        ("ab", COUNTER),
+    ),
+)
+END = Schema("end frame", (("t", Choice(("end",))),))
+_FAIL_COMMON = (
+    ("t", Choice(("fail",))),
+    ("peer", PEER_ID),
+    ("why", Str(MAX_WHY_CHARS)),  # made one printable line after
+)
+FAIL = Schema("fail frame", (*_FAIL_COMMON, ("kind", Choice(FAIL_KINDS[:3], "fail kind"))))
+REFUSAL = Schema(
+    "fail frame",
+    (
+        *_FAIL_COMMON,
+        ("kind", Choice(("refused",), "fail kind")),
+        ("status", Choice(REFUSAL_STATUSES, "refusal status")),
+        ("param", Nullable(Choice(tuple(sorted(bounds.PARAMS)), "request parameter"))),
+    ),
+)
+
+
+def _build(schema: Schema, **fields: Any) -> dict[str, Any]:
+    return schema.check_keys(fields)
+
+
+def _read(schema: Schema, frame: Any) -> dict[str, Any]:
+    return schema.read(frame, MalformedFrameError)
 
 
 # --- building ---------------------------------------------------------------------------
@@ -139,27 +273,30 @@ def ints_to_bytes(values: list[int] | tuple[int, ...]) -> bytes:
 
 def open_frame(req: OpenRequest) -> dict[str, Any]:
     s = req.sampling
-    return {
-        "t": "open",
-        "sid": req.sid,
-        "hop": req.hop,
-        "route": [[h.peer_id, h.start, h.end] for h in req.route],
-        "addrs": {peer: list(addrs) for peer, addrs in req.addrs.items()},
-        "coord": req.coordinator,
-        "model": req.model_id,
-        "max_len": req.max_length,
-        "sampling": {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k,
-            "min_p": s.min_p,
-            "presence_penalty": s.presence_penalty,
-            "frequency_penalty": s.frequency_penalty,
-            "logit_bias": [[int(k), float(v)] for k, v in s.logit_bias.items()],
-            "seed": s.seed,
-        },
-        "history": ints_to_bytes(req.history),
-    }
+    sampling = _build(
+        SAMPLING,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias=[[int(k), float(v)] for k, v in s.logit_bias.items()],
+        seed=s.seed,
+    )
+    return _build(
+        OPEN,
+        t="open",
+        sid=req.sid,
+        hop=req.hop,
+        route=[[h.peer_id, h.start, h.end] for h in req.route],
+        addrs={peer: list(addrs) for peer, addrs in req.addrs.items()},
+        coord=req.coordinator,
+        model=req.model_id,
+        max_len=req.max_length,
+        sampling=sampling,
+        history=ints_to_bytes(req.history),
+    )
 
 
 def step_frame(
@@ -172,42 +309,71 @@ def step_frame(
 ) -> dict[str, Any]:
     """inputs: [1, T] token ids (to the first stage) or [1, T, H] hidden states. `alone`:
     attend each position as a one-token step would (a failover's replay of a reply)."""
-    frame: dict[str, Any] = {"t": "step", "n": n, "want": want, "alone": alone, "ms": stage_ms}
+    common = {"t": "step", "n": n, "want": want, "alone": alone, "ms": stage_ms}
     if inputs.dim() == 2:
-        frame["ids"] = inputs[0].to(torch.int32).numpy().tobytes()
-    else:
-        hidden = inputs[0].contiguous()  # [T, H]
-        frame["dt"] = dtype_name(hidden.dtype)  # hidden states travel in a compute dtype
-        frame["shape"] = [int(hidden.shape[0]), int(hidden.shape[1])]
-        # bfloat16 has no numpy dtype: ship its raw 16-bit words.
-        raw = hidden.view(torch.int16) if hidden.dtype == torch.bfloat16 else hidden
-        frame["h"] = raw.numpy().tobytes()
-        activation_bytes += len(frame["h"])
-    frame["ab"] = activation_bytes
-    return frame
+        ids = inputs[0].to(torch.int32).numpy().tobytes()
+        return _build(STEP_IDS, **common, ab=activation_bytes, ids=ids)
+    hidden = inputs[0].contiguous()  # [T, H]
+    # bfloat16 has no numpy dtype: ship its raw 16-bit words.
+    raw = (hidden.view(torch.int16) if hidden.dtype == torch.bfloat16 else hidden).numpy()
+    h = raw.tobytes()
+    return _build(
+        STEP_HIDDEN,
+        **common,
+        ab=activation_bytes + len(h),
+        dt=dtype_name(hidden.dtype),  # hidden states travel in a compute dtype
+        shape=[int(hidden.shape[0]), int(hidden.shape[1])],
+        h=h,
+    )
 
 
 def token_frame(
     n: int, token: int | None, stage_ms: list[float], activation_bytes: int
 ) -> dict[str, Any]:
-    return {
-        "t": "tok",
-        "n": n,
-        "id": -1 if token is None else token,
-        "ms": stage_ms,
-        "ab": activation_bytes,
-    }
+    tok = -1 if token is None else token
+    return _build(TOK, t="tok", n=n, id=tok, ms=stage_ms, ab=activation_bytes)
 
 
-def fail_frame(peer_id: str, why: str, kind: str) -> dict[str, Any]:
-    return {"t": "fail", "peer": peer_id, "why": why[:MAX_WHY_CHARS], "kind": kind}
+def fail_frame(
+    peer_id: str, why: str, kind: str, status: int | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """A failure report; a `refused` one carries its status (default 400) and param."""
+    if kind != "refused":
+        return _build(FAIL, t="fail", peer=peer_id, why=_clean_why(why), kind=kind)
+    return _build(
+        REFUSAL,
+        t="fail",
+        peer=peer_id,
+        why=_clean_why(why),
+        kind=kind,
+        status=status if status in REFUSAL_STATUSES else 400,
+        param=param if param in bounds.PARAMS else None,
+    )
 
 
-END_FRAME: dict[str, Any] = {"t": "end"}
+def refusal_frame(peer_id: str, exc: StageRefusedError) -> dict[str, Any]:
+    """How a stage answers an open it will not serve: `refused` when the request asked
+    for it (the request fails), else `declined` (the coordinator routes around it)."""
+    if isinstance(exc, RequestRefusedError):
+        return fail_frame(peer_id, str(exc), "refused", exc.status, exc.param)
+    return fail_frame(peer_id, str(exc), "declined")
+
+
+def relay_frame(frame: dict[str, Any]) -> dict[str, Any]:
+    """A failure report from another stage, checked and rebuilt, to pass on."""
+    fail = parse_fail(frame)
+    return fail_frame(fail.peer_id, fail.why, fail.kind, fail.status, fail.param)
+
+
+def _clean_why(why: str) -> str:
+    return safe_text(why, MAX_WHY_CHARS - 1)  # room for the ellipsis of a cut text
+
+
+END_FRAME: dict[str, Any] = _build(END, t="end")
 
 
 def ret_frame(sid: str) -> dict[str, Any]:
-    return {"t": "ret", "sid": sid}
+    return _build(RET, t="ret", sid=sid)
 
 
 # --- checking ---------------------------------------------------------------------------
@@ -226,30 +392,38 @@ def frame_type(frame: dict[str, Any]) -> str:
 
 
 def parse_open(frame: dict[str, Any], limits: StageLimits) -> OpenRequest:
-    _exact_keys(
-        frame,
-        {"t", "sid", "hop", "route", "addrs", "coord", "model", "max_len", "sampling", "history"},
+    f = _read(OPEN, frame)  # every field's type and static bound: garbage is malformed
+    route = _route(f["route"], limits.num_layers)
+    hop = f["hop"]
+    if hop >= len(route):
+        raise MalformedFrameError(f"'hop' is not an integer in 0..{len(route) - 1}")
+    addrs = _addrs(f["addrs"])
+    max_length = f["max_len"]
+    # The reply so far is part of the session: never longer than the session itself.
+    history = tuple(_ints(f["history"], "history", limits.vocab_size, max_length))
+    refusal: RequestRefusedError | None = None
+    try:
+        sampling = _sampling(f["sampling"], limits.vocab_size)
+    except RequestRefusedError as exc:  # raised once the whole frame is known well formed
+        refusal, sampling = exc, SamplingParams()
+    model_id = f["model"]
+    req = OpenRequest(
+        f["sid"], hop, route, addrs, f["coord"], model_id, max_length, sampling, history
     )
-    sid = _sid(frame["sid"])
-    route = _route(frame["route"], limits.num_layers)
-    hop = _int(frame["hop"], "hop", 0, len(route) - 1)
-    coordinator = _peer_id(frame["coord"], "coord")
-    addrs = _addrs(frame["addrs"])
-    model_id = _str(frame["model"], "model", 200)
-    max_length = _int(frame["max_len"], "max_len", 1, 10**7)
-    sampling = _sampling(frame["sampling"], limits.vocab_size)
-    history = tuple(_ints(frame["history"], "history", limits.vocab_size, 10**7))
-    req = OpenRequest(sid, hop, route, addrs, coordinator, model_id, max_length, sampling, history)
     me = req.me
     if me.peer_id != limits.peer_id:
         raise MalformedFrameError(f"open for hop {hop} names peer {me.peer_id[-8:]}, not this one")
+    if refusal is not None:
+        raise refusal
     if model_id != limits.model_id:
         raise StageRefusedError(f"this node does not serve model '{model_id[:80]}'")
     if not (limits.held.start <= me.start and me.end <= limits.held.end):
         raise StageRefusedError(f"this node holds layers {limits.held}, not {me.layers}")
     if max_length > limits.context_length:
-        raise StageRefusedError(
-            f"max_len {max_length} is over the model's context of {limits.context_length}"
+        raise RequestRefusedError(
+            f"a session of {max_length} tokens is over the model's context of "
+            f"{limits.context_length}",
+            "max_tokens",
         )
     return req
 
@@ -258,46 +432,41 @@ def parse_step(
     frame: dict[str, Any], expected_n: int, first: bool, limits: StageLimits, dtype: torch.dtype
 ) -> Step:
     """A step for this stage: ids when it is the route's first, else a hidden state."""
-    keys = {"t", "n", "want", "alone", "ms", "ab"} | ({"ids"} if first else {"h", "dt", "shape"})
-    _exact_keys(frame, keys)
-    n = _int(frame["n"], "n", 0, 2**62)
+    f = _read(STEP_IDS if first else STEP_HIDDEN, frame)
+    n = f["n"]
     if n != expected_n:
         raise MalformedFrameError(f"step {n} arrived where step {expected_n} was due")
-    want, alone = frame["want"], frame["alone"]
-    if not isinstance(want, bool) or not isinstance(alone, bool):
-        raise MalformedFrameError("step 'want' or 'alone' is not a bool")
-    stage_ms = _stage_ms(frame["ms"])
-    ab = _int(frame["ab"], "ab", 0, 2**62)
     if first:
-        ids = _ints(frame["ids"], "ids", limits.vocab_size, MAX_STEP_TOKENS)
+        ids = _ints(f["ids"], "ids", limits.vocab_size, MAX_STEP_TOKENS)
         if not ids:
             raise MalformedFrameError("a step of no tokens")
         inputs = torch.tensor([ids], dtype=torch.long)  # [1, T]
     else:
-        inputs = parse_hidden(frame, limits.hidden_size, dtype)
-    return Step(n, want, inputs, stage_ms, ab, alone)
+        inputs = _hidden(f, limits.hidden_size, dtype)
+    return Step(n, f["want"], inputs, tuple(f["ms"]), f["ab"], f["alone"])
 
 
 def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The [1, T, H] hidden state of a step frame, checked and cast to `dtype`."""
-    name = frame.get("dt")
-    if not isinstance(name, str) or name not in COMPUTE_DTYPES:
-        raise MalformedFrameError(f"hidden state of unknown dtype {str(name)[:20]!r}")
-    wire_dtype = torch_dtype(name)
-    shape = frame.get("shape")
-    if not isinstance(shape, list) or len(shape) != 2 or not all(type(x) is int for x in shape):
-        raise MalformedFrameError("hidden state shape is not [tokens, hidden]")
-    tokens, width = shape
+    if not isinstance(frame, dict):
+        raise MalformedFrameError("a hidden state comes in a map")
+    # The step frame's other fields are parse_step's: read only the hidden state's here.
+    part = {k: frame[k] for k in HIDDEN.keys if k in frame}
+    return _hidden(_read(HIDDEN, part), hidden_size, dtype)
+
+
+def _hidden(f: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    wire_dtype = torch_dtype(f["dt"])
+    tokens, width = f["shape"]
     if not 1 <= tokens <= MAX_STEP_TOKENS:
         raise MalformedFrameError(f"hidden state of {tokens} tokens (1..{MAX_STEP_TOKENS})")
     if width != hidden_size:
         raise MalformedFrameError(f"hidden state {width} wide, this model is {hidden_size}")
-    raw = frame.get("h")
+    raw = f["h"]
     itemsize = wire_dtype.itemsize
-    if not isinstance(raw, bytes) or len(raw) != tokens * width * itemsize:
+    if len(raw) != tokens * width * itemsize:
         raise MalformedFrameError(
-            f"hidden state of {len(raw) if isinstance(raw, bytes) else '?'} bytes, "
-            f"its shape and dtype say {tokens * width * itemsize}"
+            f"hidden state of {len(raw)} bytes, its shape and dtype say {tokens * width * itemsize}"
         )
     storage = torch.int16 if wire_dtype == torch.bfloat16 else wire_dtype
     hidden = torch.frombuffer(bytearray(raw), dtype=storage).view(wire_dtype)
@@ -307,77 +476,41 @@ def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) ->
 
 
 def parse_token(frame: dict[str, Any], expected_n: int, vocab_size: int, want: bool) -> TokenReply:
-    _exact_keys(frame, {"t", "n", "id", "ms", "ab"})
-    n = _int(frame["n"], "n", 0, 2**62)
+    f = _read(TOK, frame)
+    n = f["n"]
     if n != expected_n:
         raise MalformedFrameError(f"token for step {n} arrived where step {expected_n} was due")
-    token = _int(frame["id"], "id", -1, vocab_size - 1)
+    token = f["id"]
+    if token >= vocab_size:
+        raise MalformedFrameError(f"'id' is not an integer in -1..{vocab_size - 1}")
     if want and token < 0:
         raise MalformedFrameError("no token where one was asked for")
-    return TokenReply(
-        n, token if want else None, _stage_ms(frame["ms"]), _int(frame["ab"], "ab", 0, 2**62)
-    )
+    return TokenReply(n, token if want else None, tuple(f["ms"]), f["ab"])
 
 
 def parse_fail(frame: dict[str, Any]) -> Fail:
-    _exact_keys(frame, {"t", "peer", "why", "kind"})
-    kind = frame["kind"]
-    if kind not in FAIL_KINDS:
+    kind = frame.get("kind") if isinstance(frame, dict) else None
+    if kind not in FAIL_KINDS or type(kind) is not str:
         raise MalformedFrameError(f"fail report of unknown kind {str(kind)[:20]!r}")
-    return Fail(
-        _peer_id(frame["peer"], "peer"), _str(frame["why"], "why", MAX_WHY_CHARS), str(kind)
-    )
+    refused = kind == "refused"
+    f = _read(REFUSAL if refused else FAIL, frame)
+    why = safe_text(f["why"], MAX_WHY_CHARS)
+    if not refused:
+        return Fail(f["peer"], why, f["kind"])
+    return Fail(f["peer"], why, "refused", f["status"], f["param"])
 
 
 def parse_ret(frame: dict[str, Any]) -> str:
-    _exact_keys(frame, {"t", "sid"})
-    return _sid(frame["sid"])
-
-
-# --- field checks -----------------------------------------------------------------------
-
-
-def _exact_keys(frame: dict[str, Any], keys: set[str]) -> None:
-    if set(frame) != keys:
-        odd = sorted(set(frame) ^ keys)[:5]
-        raise MalformedFrameError(f"{frame.get('t')!s:.10} frame with wrong fields: {odd}")
-
-
-def _int(value: Any, name: str, lo: int, hi: int) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise MalformedFrameError(f"'{name}' is not an integer in {lo}..{hi}")
-    return value
-
-
-def _float(value: Any, name: str, lo: float, hi: float) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
-        raise MalformedFrameError(f"'{name}' is not a number in {lo}..{hi}")
-    return float(value)
-
-
-def _str(value: Any, name: str, max_chars: int) -> str:
-    if not isinstance(value, str) or len(value) > max_chars:
-        raise MalformedFrameError(f"'{name}' is not a string of at most {max_chars} characters")
-    return value
-
-
-def _sid(value: Any) -> str:
-    sid = _str(value, "sid", MAX_SID_CHARS)
-    if not sid or not all((c.isascii() and c.isalnum()) or c in "-_." for c in sid):
-        raise MalformedFrameError("'sid' must be 1+ characters of [A-Za-z0-9-_.]")
+    sid: str = _read(RET, frame)["sid"]
     return sid
 
 
-def _peer_id(value: Any, name: str) -> str:
-    peer = _str(value, name, MAX_PEER_ID_CHARS)
-    if not peer or not (peer.isascii() and peer.isalnum()):
-        raise MalformedFrameError(f"'{name}' is not a peer id")
-    return peer
+# --- checks that span fields or need this node's limits ---------------------------------
 
 
-def _ints(value: Any, name: str, upper: int, max_count: int) -> list[int]:
-    """int32 little-endian bytes -> ints in [0, upper)."""
-    if not isinstance(value, bytes) or len(value) % 4 or len(value) // 4 > max_count:
+def _ints(value: bytes, name: str, upper: int, max_count: int) -> list[int]:
+    """int32 little-endian bytes (their type checked) -> ints in [0, upper)."""
+    if len(value) // 4 > max_count:
         raise MalformedFrameError(f"'{name}' is not int32 bytes of at most {max_count} items")
     if not value:
         return []
@@ -387,23 +520,14 @@ def _ints(value: Any, name: str, upper: int, max_count: int) -> list[int]:
     return ids.tolist()
 
 
-def _stage_ms(value: Any) -> tuple[float, ...]:
-    if not isinstance(value, list) or len(value) > MAX_ROUTE_STAGES:
-        raise MalformedFrameError(f"'ms' is not a list of at most {MAX_ROUTE_STAGES} numbers")
-    return tuple(_float(v, "ms", 0.0, 1e9) for v in value)
-
-
-def _route(value: Any, num_layers: int) -> tuple[RouteHop, ...]:
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_ROUTE_STAGES:
-        raise MalformedFrameError(f"'route' is not a list of 1..{MAX_ROUTE_STAGES} stages")
+def _route(stages: list[tuple[str, int, int]], num_layers: int) -> tuple[RouteHop, ...]:
     hops: list[RouteHop] = []
     at = 0
-    for item in value:
-        if not isinstance(item, list) or len(item) != 3:
-            raise MalformedFrameError("a route stage is [peer, start, end]")
-        peer = _peer_id(item[0], "route peer")
-        start = _int(item[1], "route start", 0, num_layers - 1)
-        end = _int(item[2], "route end", start + 1, num_layers)
+    for peer, start, end in stages:
+        if start > num_layers - 1:
+            raise MalformedFrameError(f"'route start' is not an integer in 0..{num_layers - 1}")
+        if not start + 1 <= end <= num_layers:
+            raise MalformedFrameError(f"'route end' is not an integer in {start + 1}..{num_layers}")
         if start != at:
             raise MalformedFrameError("route stages do not cover the layers in order")
         at = end
@@ -415,58 +539,57 @@ def _route(value: Any, num_layers: int) -> tuple[RouteHop, ...]:
     return tuple(hops)
 
 
-def _addrs(value: Any) -> dict[str, tuple[str, ...]]:
-    if not isinstance(value, dict) or len(value) > MAX_ROUTE_STAGES + 1:
-        raise MalformedFrameError("'addrs' is not a map of peers to addresses")
-    out: dict[str, tuple[str, ...]] = {}
+def _addrs(value: dict[str, list[str]]) -> dict[str, tuple[str, ...]]:
     for peer, addrs in value.items():
-        _peer_id(peer, "addrs peer")
-        if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS_PER_PEER:
-            raise MalformedFrameError(f"addresses of a peer: a list of <= {MAX_ADDRS_PER_PEER}")
-        if not all(isinstance(a, str) and is_dialable(peer, a) for a in addrs):
+        if not all(is_dialable(peer, a) for a in addrs):
             raise MalformedFrameError(
                 f"an address is not a multiaddr of <= {MAX_ADDR_CHARS} characters ending in "
                 "/p2p/<its peer>"
             )
-        out[peer] = tuple(addrs)
-    return out
+    return {peer: tuple(addrs) for peer, addrs in value.items()}
 
 
-def _sampling(value: Any, vocab_size: int) -> SamplingParams:
-    keys = {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "logit_bias",
-        "seed",
-    }
-    if not isinstance(value, dict):
-        raise MalformedFrameError("'sampling' is not a map")
-    if set(value) != keys:
-        raise MalformedFrameError(f"sampling with wrong fields: {sorted(set(value) ^ keys)[:5]}")
-    bias_items = value["logit_bias"]
-    if not isinstance(bias_items, list) or len(bias_items) > MAX_LOGIT_BIAS:
-        raise MalformedFrameError(f"'logit_bias' is a list of at most {MAX_LOGIT_BIAS} pairs")
-    bias: dict[int, float] = {}
-    for pair in bias_items:
-        if not isinstance(pair, list) or len(pair) != 2:
-            raise MalformedFrameError("a logit_bias entry is [token, value]")
-        bias[_int(pair[0], "logit_bias token", 0, vocab_size - 1)] = _float(
-            pair[1], "logit_bias value", -100.0, 100.0
-        )
+def _sampling(value: dict[str, Any], vocab_size: int) -> SamplingParams:
+    """The session's sampling (its types checked), against `bounds`: a number out of
+    its bound is what the request asked (refused)."""
+    numbers = {b.name: _bounded(value[b.name], b) for b in bounds.SAMPLING_NUMBERS}
+    top_k = value["top_k"]
+    if top_k < bounds.TOP_K_OFF:
+        raise RequestRefusedError(f"top_k {top_k} is below {bounds.TOP_K_OFF}", "top_k")
     seed = value["seed"]
-    if seed is not None and (type(seed) is not int or not -(2**63) <= seed < 2**64):
-        raise MalformedFrameError("'seed' is not a 64-bit integer")
+    if seed is not None and not bounds.seed_holds(seed):
+        raise RequestRefusedError("'seed' is not a 64-bit integer", "seed")
     return SamplingParams(
-        temperature=_float(value["temperature"], "temperature", 0.0, 100.0),
-        top_p=_float(value["top_p"], "top_p", 0.0, 1.0),
-        top_k=_int(value["top_k"], "top_k", 0, vocab_size),
-        min_p=_float(value["min_p"], "min_p", 0.0, 1.0),
-        presence_penalty=_float(value["presence_penalty"], "presence_penalty", -2.0, 2.0),
-        frequency_penalty=_float(value["frequency_penalty"], "frequency_penalty", -2.0, 2.0),
-        logit_bias=bias,
+        temperature=numbers["temperature"],
+        top_p=numbers["top_p"],
+        top_k=bounds.wire_top_k(top_k, vocab_size),
+        min_p=numbers["min_p"],
+        presence_penalty=numbers["presence_penalty"],
+        frequency_penalty=numbers["frequency_penalty"],
+        logit_bias=_logit_bias(value["logit_bias"], vocab_size),
         seed=seed,
     )
+
+
+def _logit_bias(pairs: list[tuple[int, float]], vocab_size: int) -> dict[int, float]:
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise RequestRefusedError(
+            f"logit_bias has {len(pairs)} entries; a stage takes at most {MAX_LOGIT_BIAS}",
+            "logit_bias",
+        )
+    bias: dict[int, float] = {}
+    for token, value in pairs:
+        if not 0 <= token < vocab_size:
+            raise RequestRefusedError(
+                f"logit_bias token {token} is not a token id below {vocab_size}", "logit_bias"
+            )
+        bias[token] = _bounded(value, bounds.LOGIT_BIAS_VALUE, "logit_bias value")
+    return bias
+
+
+def _bounded(value: float, bound: bounds.NumberBound, what: str = "") -> float:
+    """A finite number (checked by the field pass) within `bound`, else refused."""
+    what = what or bound.name
+    if not bound.holds(value):
+        raise RequestRefusedError(f"{what} {value:g} is outside {bound.describe()}", bound.name)
+    return value

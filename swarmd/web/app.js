@@ -64,7 +64,13 @@ function unroutableReason(entry) {
 async function refreshModels() {
   try {
     const response = await fetch("/v1/models", { headers: headers() });
+    if (response.status === 401) {
+      askToken(state.settings.token ? "That token was refused; enter another." : "");
+      setStatus("error", "needs a token");
+      return;
+    }
     if (!response.ok) throw new Error(await errorText(response));
+    $("#token-ask").hidden = true;
     state.models = (await response.json()).data || [];
   } catch (err) {
     setStatus("error", `cannot list models: ${err.message}`);
@@ -380,6 +386,7 @@ async function respond(chat) {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
     });
+    if (response.status === 401) askToken("The node refused the token; enter a valid one.");
     if (!response.ok) throw new Error(await errorText(response));
     reply.stats = { model, route: response.headers.get("x-swarm-route") || "local" };
     await readStream(response, (event) => {
@@ -612,6 +619,27 @@ function bindSettings() {
   bind("#set-token", "token", (v) => v.trim());
 }
 
+// The node answered 401: ask for a token (kept in this browser's localStorage only).
+function askToken(why) {
+  const form = $("#token-ask");
+  $("#token-why").textContent = why || "This node needs an API token.";
+  if (form.hidden) {
+    form.hidden = false;
+    $("#token-input").focus();
+  }
+}
+
+function saveToken(e) {
+  e.preventDefault();
+  const token = $("#token-input").value.trim();
+  if (!token) return;
+  state.settings.token = token;
+  saveSettings();
+  $("#token-input").value = "";
+  renderSettings();
+  refreshModels();
+}
+
 // --- wiring ---------------------------------------------------------------------------
 
 function init() {
@@ -646,6 +674,7 @@ function init() {
   });
   window.addEventListener("popstate", () => openChat(idFromHash(), false));
   bindSettings();
+  $("#token-ask").addEventListener("submit", saveToken);
   refreshModels().then(() => openChat(idFromHash(), false));
   setInterval(refreshModels, 15000);
 }

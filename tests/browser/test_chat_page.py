@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
 
-from tests.conftest import NodeProcess, running_node, wait_until
+from tests.conftest import NodeProcess, running_node, start_node, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -253,3 +253,35 @@ def test_a_three_node_swarm_in_the_page(
                 for i, layers in enumerate(("0:2", "2:3", "3:4")):
                     expect(cards.nth(i)).to_contain_text(f"layers {layers}")
                 expect(page.locator("#link-time")).to_contain_text("per hop")
+
+
+def test_the_page_asks_for_a_token_when_the_node_needs_one(
+    browser: Browser, tmp_path_factory: pytest.TempPathFactory, test_cache_dir: Path
+) -> None:
+    from swarmd.api.tokens import TokenStore
+
+    workdir = tmp_path_factory.mktemp("token-node")
+    _, token = TokenStore(workdir / "data").create("page", "infer")
+    args = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
+    node = start_node([*args, "--cache-dir", str(test_cache_dir)], workdir)
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    try:
+        page = context.new_page()
+        page.goto(f"{node.url}/")  # the page itself is open; its API calls are not
+        expect(page.locator("#token-ask")).to_be_visible(timeout=30_000)
+        expect(page.locator("#model-status")).to_have_text("needs a token")
+        page.fill("#token-input", token[:-3] + "bad")
+        page.press("#token-input", "Enter")
+        expect(page.locator("#token-why")).to_contain_text("refused", timeout=30_000)
+        page.fill("#token-input", token)
+        page.press("#token-input", "Enter")
+        expect(page.locator("#model-status")).to_have_text("ready", timeout=30_000)
+        expect(page.locator("#token-ask")).to_be_hidden()
+        set_setting(page, "#set-max-tokens", "4")
+        page.click("[data-panel=settings]")
+        send(page, "Hello")
+        expect(page.locator(".msg.assistant .speed").last).to_be_visible(timeout=REPLY_TIMEOUT_MS)
+        assert token not in node.log_text()  # the token never reaches the node's log
+    finally:
+        context.close()
+        node.stop()

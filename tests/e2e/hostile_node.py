@@ -1,8 +1,11 @@
-"""A swarmd node that lies: it serves its layers but corrupts the hidden state it sends.
+"""A swarmd node that lies: it serves its layers but corrupts the hidden state it sends,
+or blames an honest neighbour.
 
     python tests/e2e/hostile_node.py MODE run [swarmd run options]
 
-MODE: `shape` (one column short), `dtype` (labelled float64) or `nan` (every value NaN).
+MODE: `shape` (one column short), `dtype` (labelled float64) or `nan` (every value NaN);
+`blame`: its stage answers every session's first step with a `fail` report naming its
+next stage (the previous one when it is the last) as lost, and computes nothing.
 It also claims a huge throughput in its DHT record, so route planning prefers it to the
 honest holders of the same layers. The fault lives here, in the tests, not in swarmd.
 """
@@ -18,8 +21,20 @@ import torch
 from swarmd.cli import app
 from swarmd.pipeline import wire
 from swarmd.pipeline.coordinator import Coordinator
+from swarmd.pipeline.stage_service import Link, StageService
 
-MODES = ("shape", "dtype", "nan")
+MODES = ("shape", "dtype", "nan", "blame")
+
+
+def blame() -> None:
+    async def forward(self: StageService, up: Link, down: Link, req: wire.OpenRequest) -> None:
+        await up.recv(self.timeouts.idle_s)  # the first step: answered with a lie
+        victim = req.route[req.hop - 1].peer_id if req.is_last else req.next_peer
+        why = f"stage {victim[-8:]} lost: connection reset"
+        await up.send(wire.fail_frame(victim, why, "lost"))
+
+    StageService._forward = forward  # type: ignore[method-assign]
+    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
 
 
 def corrupt(mode: str) -> None:
@@ -53,6 +68,9 @@ def corrupt(mode: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in MODES:
         sys.exit(f"usage: hostile_node.py {'|'.join(MODES)} run [options]")
-    corrupt(sys.argv[1])
+    if sys.argv[1] == "blame":
+        blame()
+    else:
+        corrupt(sys.argv[1])
     sys.argv = ["swarmd", *sys.argv[2:]]
     app()

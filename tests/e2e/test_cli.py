@@ -64,6 +64,42 @@ def test_sigterm_shuts_down_cleanly(tiny_chat_dir: Path, tmp_path: Path) -> None
     assert (tmp_path / "data" / "identity.key").stat().st_mode & 0o777 == 0o600
 
 
+def test_tokens_from_the_cli_guard_a_running_node(tiny_chat_dir: Path, tmp_path: Path) -> None:
+    import os
+
+    data = str(tmp_path / "data")
+    refused = run_cli("run", "--host", "0.0.0.0", "--model", str(tiny_chat_dir), "--data-dir", data)
+    assert refused.returncode == 2
+    assert "swarmd token create" in refused.stderr and "Traceback" not in refused.stderr
+    created = run_cli("token", "create", "--label", "ops", "--scope", "admin", "--data-dir", data)
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip()
+    assert token.startswith("sk-swarm-") and "\n" not in token
+    listed = run_cli("token", "list", "--data-dir", data)
+    assert "ops" in listed.stdout and "admin" in listed.stdout and token not in listed.stdout
+    node = start_node(
+        ["--model", str(tiny_chat_dir), "--port", "0", "--p2p-port", "0", "--data-dir", data],
+        tmp_path,
+    )
+    try:
+        without = run_cli("peers", "--url", node.url)
+        assert without.returncode == 1
+        assert "HTTP 401" in without.stderr and "--token" in without.stderr
+        env = {**os.environ, "SWARMD_TOKEN": token}
+        assert run_cli("peers", "--url", node.url, env=env).returncode == 0
+        models = run_cli("models", "--url", node.url, "--token", token)
+        assert models.returncode == 0 and "routable" in models.stdout
+        diagnostics = run_cli("diagnostics", "--url", node.url, env=env)
+        assert diagnostics.returncode == 0 and "== " in diagnostics.stdout
+        chat = run_cli("chat", "hi", "--max-tokens", "2", "--url", node.url, env=env)
+        assert chat.returncode == 0, chat.stderr
+        assert run_cli("token", "revoke", "ops", "--data-dir", data).returncode == 0
+        assert run_cli("peers", "--url", node.url, env=env).returncode == 1
+    finally:
+        node.stop()
+    assert token not in node.log_text()
+
+
 def test_chat_against_no_node_says_so() -> None:
     result = run_cli("chat", "hi", "--url", "http://127.0.0.1:9")
     assert result.returncode == 1

@@ -18,9 +18,18 @@ import msgpack
 import pytest
 import trio
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
 from swarmd.dht.discovery import WITHDRAW_TTL_S, Discovery, RecordValidator, open_discovery
-from swarmd.dht.records import NodeRecord, RecordStats, model_key, record_key, sign_record
+from swarmd.dht.records import (
+    NodeRecord,
+    RecordStats,
+    decode_record,
+    model_key,
+    record_key,
+    sign_record,
+)
 from swarmd.errors import (
     BadSignatureError,
     DialError,
@@ -94,9 +103,9 @@ async def swarm(names: str, clock: FakeClock) -> AsyncIterator[dict[str, Node]]:
         yield nodes
 
 
-def run(test: Callable[[], Awaitable[None]]) -> None:
+def run(test: Callable[[], Awaitable[None]], deadline_s: float = RUN_DEADLINE_S) -> None:
     async def main() -> None:
-        with trio.fail_after(RUN_DEADLINE_S):
+        with trio.fail_after(deadline_s):
             await test()
 
     trio.run(main)
@@ -255,13 +264,79 @@ def test_withdraw_removes_the_holder_at_once() -> None:
                 found, _ = await holders_within(n[viewer], "m")
                 assert [r.peer_id for r in found] == [n["C"].host.peer_id], viewer
 
-            # The withdrawal wins until it expires; then B can serve the model again.
-            with pytest.raises(RecordError):
-                await n["B"].announce("m", 0, 15, clock)
-            clock.advance(WITHDRAW_TTL_S + 1)
+            # A later announcement (a higher seq) beats the withdrawal at once: B serves again.
             await n["B"].announce("m", 0, 15, clock)
             found, _ = await holders_within(n["E"], "m")
             assert [r.peer_id for r in found] == sorted(n[x].host.peer_id for x in "BC")
+
+
+def test_a_replayed_ready_record_never_undoes_a_withdrawal() -> None:
+    """Before: once the short-lived withdrawal expired, anyone who had kept B's earlier
+    "ready" record could store it again, and B was listed as a holder once more."""
+    clock = FakeClock()
+
+    async def body() -> None:
+        async with swarm("ABME", clock) as n:
+            for name in "BME":
+                await n[name].disc.bootstrap(n["A"].host.addrs)
+            b = n["B"]
+            b_record = b.record("m", 0, 30, clock)
+            await b.disc.announce(b.identity, b_record)
+            key = record_key("m", b.host.peer_id)
+            key_bytes = key.encode()
+            captured = n["A"].disc.dht.value_store.get(key_bytes).value  # Mallory keeps it
+            assert decode_record(captured, clock()).state == "ready"
+            await b.disc.withdraw(b.identity, b_record)
+            clock.advance(WITHDRAW_TTL_S + 1)  # past a withdrawal's minimum life
+
+            mallory = n["M"].disc.dht.value_store
+            for peer in "AE":
+                pid = ID.from_base58(n[peer].host.peer_id)
+                await mallory._store_at_peer(pid, key_bytes, captured)
+                kept = n[peer].disc.dht.value_store.get(key_bytes).value
+                assert decode_record(kept, clock()).state == "draining", peer
+            # Even a node that never saw the withdrawal (the replay straight in its store)
+            # asks the network and the owner, and the higher seq wins there.
+            n["E"].disc.dht.value_store.put(key_bytes, captured)
+            for viewer in "EA":
+                found, _ = await holders_within(n[viewer], "m")
+                assert found == [], viewer
+
+    run(body)
+
+
+def test_twenty_made_up_providers_do_not_hide_an_honest_holder() -> None:
+    """Before: libp2p kept the first 20 providers of a key and ignored every later one,
+    so 20 throwaway peer ids claiming a model first hid its honest holder everywhere."""
+    clock = FakeClock()
+
+    async def body() -> None:
+        async with swarm("AHE", clock) as n:
+            for name in "HE":
+                await n[name].disc.bootstrap(n["A"].host.addrs)
+            with trio.socket.socket() as sock:  # a port nobody listens on
+                await sock.bind(("127.0.0.1", 0))
+                dead_port = sock.getsockname()[1]
+            nowhere = [Multiaddr(f"/ip4/127.0.0.1/tcp/{dead_port}")]
+            fakes = [ID.from_base58(Identity.generate().peer_id) for _ in range(20)]
+            key = model_key("m").encode()
+            for node in n.values():  # what 20 ADD_PROVIDERs from 20 fresh ids leave
+                for fake in fakes:
+                    node.disc.dht.provider_store.add_provider(key, PeerInfo(fake, nowhere))
+            honest = n["H"]
+            await honest.announce("m", 0, 30, clock)
+
+            found, _ = await holders_within(n["E"], "m")  # within LOOKUP_DEADLINE_S
+            assert [r.peer_id for r in found] == [honest.host.peer_id]
+            # The providers with no record behind them lost their slots on E.
+            left = {p.peer_id for p in n["E"].disc.dht.provider_store.get_providers(key)}
+            assert left.isdisjoint(fakes)
+            found, _ = await holders_within(n["A"], "m")
+            assert [r.peer_id for r in found] == [honest.host.peer_id]
+
+    # Each lookup dials every made-up provider (a small swarm's lookups start from the
+    # whole peerstore): slower than the other tests, though each lookup is bounded.
+    run(body, deadline_s=2 * RUN_DEADLINE_S)
 
     run(body)
 
@@ -339,6 +414,15 @@ def test_validator_prefers_withdrawals_then_later_expiry_and_counts_refusals() -
     assert validator.select(key, [ready, ready]) == 1  # a copy of what is stored is taken
     clock.advance(2)  # the withdrawal has expired: a new announcement beats it
     assert validator.select(key, [draining, ready]) == 1
+    # The owner's later record (a higher seq) wins whatever its state and expiry.
+    old = sign_record(owner, dataclasses.replace(base, seq=1, expires_at=clock() + TTL_S))
+    gone = sign_record(
+        owner, dataclasses.replace(base, seq=2, state="draining", expires_at=clock() + 10)
+    )
+    again = sign_record(owner, dataclasses.replace(base, seq=3, expires_at=clock() + 5))
+    assert validator.select(key, [old, gone]) == 1
+    assert validator.select(key, [gone, old]) == 0
+    assert validator.select(key, [again, gone, old]) == 0
 
     validator.validate(key, ready)
     for value, error in ((expired, ExpiredRecordError), (b"junk", MalformedRecordError)):

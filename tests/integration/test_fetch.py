@@ -31,16 +31,16 @@ from swarmd.model.manifest import (
     ShardEntry,
     parse_manifest,
 )
-from swarmd.net.fetch import Fetcher, FetchSettings
-from swarmd.net.files import (
+from swarmd.net.host import P2PHost, open_host
+from swarmd.net.identity import Identity
+from swarmd.net.rpc import RpcService
+from swarmd.transfer.fetch import Fetcher, FetchSettings
+from swarmd.transfer.files import (
     FileServer,
     FileServeSettings,
     call_file_chunk,
     call_manifest,
 )
-from swarmd.net.host import P2PHost, open_host
-from swarmd.net.identity import Identity
-from swarmd.net.rpc import RpcService
 
 RUN_DEADLINE_S = 20.0
 STOP_DEADLINE_S = 10.0
@@ -462,6 +462,70 @@ def test_the_transfer_cap_turns_a_second_peer_away(model: Model) -> None:
             data = await call_file_chunk(second, peer, cid, b.file, 0)
             assert data == model.data[b.file][:CHUNK]
             assert server.active_transfers == 1
+
+    run(test)
+
+
+def test_one_peer_gets_at_most_its_share_of_the_transfers(model: Model) -> None:
+    server = good_server(model, FileServeSettings(max_transfers=3, max_peer_transfers=2))
+    a, b, tok = model.entry(SHARD_A), model.entry(SHARD_B), model.entry(TOKENIZER)
+
+    async def test() -> None:
+        async with (
+            holders(server) as [holder],
+            client_of(holder) as greedy,
+            client_of(holder) as other,
+        ):
+            cid, peer = model.content_id, holder.peer_id
+            await call_file_chunk(greedy, peer, cid, a.file, 0)
+            await call_file_chunk(greedy, peer, cid, b.file, 0)
+            assert server.active_transfers == 2
+            # a third file for the same peer: busy, though the node has a slot left
+            with pytest.raises(RemoteError) as caught:
+                await call_file_chunk(greedy, peer, cid, tok.file, 0)
+            assert caught.value.remote_type == "OverloadedError"
+            assert "per peer" in str(caught.value)
+            # ... which another peer gets
+            data = await call_file_chunk(other, peer, cid, tok.file, 0)
+            assert data == model.data[tok.file][:CHUNK]
+            assert server.active_transfers == 3
+            # the greedy peer's own transfers go on
+            assert (
+                await call_file_chunk(greedy, peer, cid, a.file, 1)
+                == (model.data[a.file][CHUNK : 2 * CHUNK])
+            )
+
+    run(test)
+
+
+def test_one_peer_gets_at_most_its_share_of_chunks_in_flight(model: Model) -> None:
+    rate = CHUNK / 0.5  # bytes/s: each chunk is held back half a second
+    server = good_server(model, FileServeSettings(max_peer_transfers=2, upload_bytes_per_s=rate))
+    a = model.entry(SHARD_A)
+
+    async def test() -> None:
+        async with holders(server) as [holder], client_of(holder) as client:
+            cid, peer = model.content_id, holder.peer_id
+            got: dict[int, bytes] = {}
+
+            async def fetch(index: int) -> None:
+                got[index] = await call_file_chunk(client, peer, cid, a.file, index)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, 0)
+                nursery.start_soon(fetch, 1)
+                with trio.fail_after(5.0):
+                    while len(server.calls) < 2:  # noqa: ASYNC110 (a list, polled)
+                        await trio.sleep(0.01)
+                with pytest.raises(RemoteError) as caught:
+                    await call_file_chunk(client, peer, cid, a.file, 2)
+                assert caught.value.remote_type == "OverloadedError"
+            assert sorted(got) == [0, 1] and got[1] == model.data[a.file][CHUNK : 2 * CHUNK]
+            # both answered: the peer may ask again
+            assert (
+                await call_file_chunk(client, peer, cid, a.file, 2)
+                == (model.data[a.file][2 * CHUNK : 3 * CHUNK])
+            )
 
     run(test)
 

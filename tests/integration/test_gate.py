@@ -6,7 +6,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 import trio
+from libp2p.peer.id import ID
 
+from swarmd.dht.discovery import open_discovery
+from swarmd.dht.records import model_key, record_key, sign_record
+from swarmd.dht.swarm import SwarmPresence, SwarmSettings
 from swarmd.errors import PeerError
 from swarmd.net.auth import SwarmKey
 from swarmd.net.frames import FrameStream
@@ -15,6 +19,7 @@ from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.peers import PeerTable
 from swarmd.net.rpc import RpcService, call_ping
+from tests.integration.conftest import host_record
 
 OURS = SwarmKey(b"a" * 32)
 THEIRS = SwarmKey(b"b" * 32)
@@ -116,5 +121,56 @@ def test_a_wrong_proof_sent_to_the_answering_side_is_banned() -> None:
                     await until(lambda: peers_a.is_banned(forger.peer_id, time.time()))
             assert peers_a.is_banned(forger.peer_id, time.time())
             assert not gate_a.allows(forger.peer_id)
+
+    run(main)
+
+
+def _private(key: SwarmKey, bootstrap: tuple[str, ...] = ()) -> SwarmPresence:
+    settings = SwarmSettings("127.0.0.1", 0, bootstrap, republish_interval_s=60.0, swarm_key=key)
+    return SwarmPresence(
+        Identity.generate(), settings, lambda host: host_record(host, "private-model")
+    )
+
+
+def test_outsiders_can_neither_read_nor_store_records_of_a_private_swarm() -> None:
+    """Before: the gate covered swarmd's protocols only, and libp2p's Kademlia handler
+    answered anyone: an outsider read every record and stored its own."""
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            a = _private(OURS)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.run)
+                await a.wait_ready()
+                insider = _private(OURS, (a.addrs[0],))
+                nursery.start_soon(insider.run)
+                await insider.wait_ready()  # joined through a's DHT and announced
+                key = record_key("private-model", insider.identity.peer_id).encode()
+                a_pid = ID.from_base58(a.identity.peer_id)
+                # The insider's record is stored on a, and an insider reads it back.
+                assert a.discovery.dht.value_store.get(key) is not None
+                read = await insider.discovery.dht.value_store._get_from_peer(a_pid, key)
+                assert read == a.discovery.dht.value_store.get(key).value
+
+                outsider_id = Identity.generate()
+                async with (
+                    open_host(outsider_id, 0) as outsider,
+                    open_discovery(outsider) as outsider_dht,
+                ):
+                    await outsider.connect(a.addrs[0])
+                    store = outsider_dht.dht.value_store
+                    assert await store._get_from_peer(a_pid, key) is None
+                    ask_providers = (
+                        outsider_dht.dht.provider_store._get_providers_from_peer_with_closers
+                    )
+                    providers, _ = await ask_providers(a_pid, model_key("private-model").encode())
+                    assert providers == []
+                    own = host_record(outsider, "private-model")
+                    own_key = record_key("private-model", outsider.peer_id).encode()
+                    value = sign_record(outsider_id, own)
+                    assert not await store._store_at_peer(a_pid, own_key, value)
+                    assert a.discovery.dht.value_store.get(own_key) is None
+                    assert outsider.peer_id not in a.discovery.routing_table_peers()
+                nursery.cancel_scope.cancel()
 
     run(main)

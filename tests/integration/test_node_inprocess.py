@@ -7,56 +7,14 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
-from swarmd.config import Config
 from swarmd.errors import InternalError
-from swarmd.model.loader import load_model
-from swarmd.model.source import ModelSource
-from swarmd.net.identity import load_or_create_identity
-from swarmd.node import Node
-
-NodeFactory = Callable[..., Any]
-
-
-@pytest.fixture
-async def make_node(tiny_chat_dir: Path, tmp_path: Path) -> AsyncIterator[NodeFactory]:
-    started: list[Node] = []
-    model = load_model(ModelSource("tiny", tiny_chat_dir), None)
-
-    async def factory(**overrides: Any) -> Node:
-        config = Config(port=0, data_dir=tmp_path / "data", cache_dir=tmp_path, **overrides)
-        node = Node(config, load_or_create_identity(config.data_dir), model)
-        await node.start()
-        started.append(node)
-        return node
-
-    yield factory
-    for node in started:
-        await node.stop()
-
-
-async def poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
-
-
-def body(**fields: Any) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "hello"}],
-        "temperature": 0,
-        **fields,
-    }
+from tests.integration.conftest import NodeFactory, body, poll
 
 
 async def read_events(response: aiohttp.ClientResponse) -> list[Any]:
@@ -211,7 +169,8 @@ async def _disconnect_when(url: str, payload: dict[str, Any], working: Callable[
     _reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     data = json.dumps(payload).encode()
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
         + f"Content-Length: {len(data)}\r\n\r\n".encode()
         + data
     )

@@ -38,6 +38,7 @@ from swarmd.errors import (
     DialError,
     DialTimeoutError,
     InvalidRequestError,
+    PeerError,
     RecvTimeoutError,
     RemoteError,
     RpcTimeoutError,
@@ -484,3 +485,57 @@ def test_a_silent_peer_turns_into_an_error() -> None:
         proc.kill()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+def test_inbound_streams_past_a_peers_cap_are_reset_and_the_cap_frees_with_them() -> None:
+    cap = 3
+    release = trio.Event()
+    served_tx, served_rx = trio.open_memory_channel[int](math.inf)
+
+    async def hold(stream: FrameStream) -> None:
+        i = (await stream.recv(5.0))["i"]
+        served_tx.send_nowait(i)
+        if i < cap + 2:  # the first round holds its streams open
+            await release.wait()
+
+    async def test() -> None:
+        config = HostConfig(max_inbound_streams_per_peer=cap, max_streams=64)
+        async with (
+            open_host(Identity.generate(), 0) as a,
+            open_host(Identity.generate(), 0, config=config) as b,
+        ):
+            b.set_handler(TEST_PROTOCOL, hold)
+            RpcService(b)  # its ping, below
+            assert await a.connect(b.addrs[0]) == b.peer_id
+            # libp2p's resource manager is the one made from the config
+            manager = b.libp2p.get_network()._resource_manager
+            assert manager is not None and manager.limits.max_streams == 64
+            streams = []
+            with trio.fail_after(5.0):
+                for i in range(cap):
+                    streams.append(await a.open_stream(b.peer_id, TEST_PROTOCOL))
+                    await streams[-1].send({"i": i})
+                    assert await served_rx.receive() == i
+            for i in range(cap, cap + 2):  # reset as it opens, or at its first read
+                with pytest.raises(PeerError):
+                    extra = await a.open_stream(b.peer_id, TEST_PROTOCOL)
+                    with contextlib.suppress(StreamClosedError):
+                        await extra.send({"i": i})
+                    await extra.recv(5.0)
+            assert served_rx.statistics().current_buffer_used == 0  # none served
+            # the count goes down as the streams end, and the connection is untouched
+            assert b.inbound_streams(a.peer_id) == cap
+            release.set()
+            for stream in streams:
+                await stream.close()
+            with trio.fail_after(5.0):
+                while b.inbound_streams(a.peer_id):  # noqa: ASYNC110 (a count, polled)
+                    await trio.sleep(0.01)
+                for i in range(10, 10 + cap):
+                    again = await a.open_stream(b.peer_id, TEST_PROTOCOL)
+                    await again.send({"i": i})
+                    assert await served_rx.receive() == i
+                    await again.close()
+            assert await call_ping(a, b.peer_id, timeout_s=5.0) < 1.0
+
+    run(test)

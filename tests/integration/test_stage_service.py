@@ -35,7 +35,7 @@ from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.pipeline import wire
-from swarmd.pipeline.admission import KVBudget
+from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 
@@ -49,6 +49,14 @@ STAGE_TIMEOUTS = StageTimeouts(open_s=5.0, idle_s=30.0, step_s=10.0)
 RING_TIMEOUTS = RingTimeouts(open_s=5.0, step_s=5.0)
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [1, 504, 3070, 314, 260, 2784, 30, 2, 17, 9000, 48000, 11]
+
+# What the DHT's signed records would say: the addresses of every host these tests open
+# (a stage dials a next hop only on addresses its record lists).
+SIGNED: dict[str, frozenset[str]] = {}
+
+
+async def signed_addrs(peer_id: str, fresh: bool) -> frozenset[str] | None:
+    return SIGNED.get(peer_id)
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,7 @@ class StageNode:
     scope: trio.CancelScope
     closed: trio.Event
     budget: KVBudget
+    peers: PeerBudget
     bans: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -111,10 +120,12 @@ async def _serve_stage(
     held: tuple[int, int],
     timeouts: StageTimeouts,
     budget_tokens: int,
+    peer_limits: PeerLimits,
     task_status: trio.TaskStatus[StageNode] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     closed = trio.Event()
     budget = KVBudget(budget_tokens)
+    peers = PeerBudget(budget, peer_limits)
     runtime = StageRuntime(model.stages[held], max_sessions=4)
     try:
         with trio.CancelScope() as scope:
@@ -134,12 +145,15 @@ async def _serve_stage(
                     bans.append((peer_id, why))
 
                 run = functools.partial(run_job, worker)
-                service = StageService(host, limits, torch.float32, run, ban, timeouts, budget)
+                SIGNED[host.peer_id] = frozenset(host.addrs)
+                service = StageService(
+                    host, limits, torch.float32, run, ban, timeouts, budget, peers, signed_addrs
+                )
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(service.run)
                     assert await poll(lambda: _running(service), 5.0)
                     task_status.started(
-                        StageNode(host, service, runtime, scope, closed, budget, bans)
+                        StageNode(host, service, runtime, scope, closed, budget, peers, bans)
                     )
                     await trio.sleep_forever()
     finally:
@@ -161,15 +175,18 @@ async def _worker(runtime: StageRuntime) -> AsyncIterator[TorchWorker]:
 @asynccontextmanager
 async def stage_nodes(
     model: Model,
-    *specs: tuple[tuple[int, int], StageTimeouts] | tuple[tuple[int, int], StageTimeouts, int],
+    *specs: tuple[tuple[int, int], StageTimeouts]
+    | tuple[tuple[int, int], StageTimeouts, int]
+    | tuple[tuple[int, int], StageTimeouts, int, PeerLimits],
 ) -> AsyncIterator[list[StageNode]]:
-    """One `StageNode` per (held layers, timeouts[, KV budget tokens]); all closed when the
-    block exits."""
+    """One `StageNode` per (held layers, timeouts[, KV budget tokens[, limits of other
+    peers' sessions]]); all closed when the block exits."""
     async with trio.open_nursery() as nursery:
         nodes = []
-        for held, t, *budget in specs:
-            tokens = budget[0] if budget else 4 * MAX_LENGTH
-            nodes.append(await nursery.start(_serve_stage, model, held, t, tokens))
+        for held, t, *extra in specs:
+            tokens = extra[0] if extra else 4 * MAX_LENGTH
+            limits = extra[1] if len(extra) > 1 else PeerLimits()
+            nodes.append(await nursery.start(_serve_stage, model, held, t, tokens, limits))
         try:
             yield nodes
         finally:
@@ -189,6 +206,7 @@ async def raw_peer() -> AsyncIterator[tuple[P2PHost, list[dict[str, Any]]]]:
                 return
 
     async with open_host(Identity.generate(), 0) as host:
+        SIGNED[host.peer_id] = frozenset(host.addrs)
         host.set_handler(wire.STAGE_PROTOCOL, collect)
         yield host, received
 
@@ -351,7 +369,7 @@ def test_an_open_for_layers_a_stage_does_not_hold_is_refused_without_a_ban(
             async with closing(ring):
                 with pytest.raises(StageFailedError) as info:
                     await ring.open()
-            assert info.value.kind == "refused"
+            assert info.value.kind == "declined"
             assert info.value.peer_id == y.peer_id
             assert "2:4" in str(info.value) and "1:4" in str(info.value)
 
@@ -375,7 +393,7 @@ def test_a_stage_without_kv_room_refuses_the_open_without_a_ban_and_keeps_its_bu
             async with closing(ring):
                 with pytest.raises(StageFailedError) as info:
                     await ring.open()
-            assert info.value.kind == "refused" and info.value.peer_id == y.peer_id
+            assert info.value.kind == "declined" and info.value.peer_id == y.peer_id
             assert f"{MAX_LENGTH:,} tokens" in str(info.value)
             assert await poll(lambda: x.budget.reserved == 0 and x.runtime.session_count == 0, 2)
             assert y.budget.reserved == 0 and y.bans == [] and x.bans == []

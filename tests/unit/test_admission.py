@@ -1,5 +1,6 @@
 """The KV budget: reservations in FIFO order, 413 past the whole budget, nothing leaked by a
-wait that times out or is cancelled; the route's capacity from the holders' records."""
+wait that times out or is cancelled; other peers' part of it, capped per peer and in all;
+the route's capacity from the holders' records."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import KVRoomError, OverloadedError
-from swarmd.pipeline.admission import KVBudget
+from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.distributed import route_capacity
 
 
@@ -57,6 +58,59 @@ async def test_a_wait_that_times_out_or_is_cancelled_leaves_nothing_reserved() -
         await cancelled
     await behind
     assert budget.reserved == 100 and budget.waiting == 0
+
+
+def test_one_peer_is_capped_in_sessions_and_tokens_and_others_still_get_room() -> None:
+    node = KVBudget(1000)
+    peers = PeerBudget(node, PeerLimits(kv_share=0.8, peer_kv_share=0.5, max_peer_sessions=3))
+    assert (peers.total, peers.per_peer) == (800, 500)
+    assert [peers.try_reserve("h", 100) for _ in range(3)] == [None, None, None]
+    why = peers.try_reserve("h", 100)
+    assert why is not None and "3 sessions per peer" in why
+    assert peers.held_by("h") == (3, 300)
+    why = peers.try_reserve("h2", 600)  # over one peer's share of the tokens
+    assert why is not None and "600 tokens" in why and "one peer" in why
+    assert peers.try_reserve("g", 400) is None  # another peer: room left
+    why = peers.try_reserve("f", 200)  # all peers together: 700 + 200 > 800
+    assert why is not None and "free for remote sessions" in why
+    assert node.reserved == peers.reserved == 700  # the node's budget bounds memory
+    assert node.free >= node.total - peers.total  # ... and keeps its own part
+    for _ in range(3):
+        peers.release("h", 100)
+    peers.release("g", 400)
+    peers.release("nobody", 50)  # a stray release changes nothing
+    assert node.reserved == peers.reserved == 0 and peers.held_by("h") == (0, 0)
+
+
+def test_remote_sessions_are_counted_in_all_and_never_jump_the_nodes_queue() -> None:
+    node = KVBudget(10_000)
+    peers = PeerBudget(node, PeerLimits(max_sessions=4, max_peer_sessions=4))
+    for name in "abcd":
+        assert peers.try_reserve(name, 1) is None
+    why = peers.try_reserve("e", 1)
+    assert why is not None and "all 4 remote session slots" in why and peers.free == 0
+    peers.release("a", 1)
+    assert peers.free > 0
+
+
+async def test_a_waiting_api_request_goes_before_any_remote_session() -> None:
+    node = KVBudget(100)
+    peers = PeerBudget(node, PeerLimits(kv_share=1.0, peer_kv_share=1.0))
+    await node.reserve(90, 1)
+    waiting = asyncio.create_task(node.reserve(50, 5))
+    await asyncio.sleep(0.01)
+    assert peers.try_reserve("p", 5) is not None  # it would fit, but the API waits
+    node.release(90)
+    await waiting
+    assert peers.try_reserve("p", 5) is None
+
+
+def test_by_default_one_peer_may_hold_32_sessions() -> None:
+    # e.g. 32 sessions of 4,096 tokens on a node whose KV budget holds 262,144 tokens
+    peers = PeerBudget(KVBudget(262_144), PeerLimits())
+    assert all(peers.try_reserve("coordinator", 4096) is None for _ in range(32))
+    assert peers.try_reserve("coordinator", 1) is not None
+    assert peers.try_reserve("another", 4096) is None
 
 
 def record(peer: str, start: int, end: int, budget: int) -> NodeRecord:

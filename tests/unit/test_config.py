@@ -390,3 +390,16 @@ def test_layers_and_p2p_port_ranges() -> None:
         load_config({"layers": "15"}, None, {})
     with pytest.raises(ConfigError, match="p2p_port"):
         load_config({}, None, {"SWARMD_P2P_PORT": "-2"})
+
+
+def test_bool_fields_from_env_file_and_flags(tmp_path: Path) -> None:
+    for text, value in (("1", True), ("yes", True), ("On", True), ("0", False), ("no", False)):
+        config = load_config({}, None, {"SWARMD_REQUIRE_API_TOKEN": text})
+        assert config.require_api_token is value
+    with pytest.raises(ConfigError, match="SWARMD_ALLOW_OPEN_API"):
+        load_config({}, None, {"SWARMD_ALLOW_OPEN_API": "maybe"})
+    assert load_config({}, write(tmp_path, "allow_open_api = true\n"), {}).allow_open_api
+    with pytest.raises(ConfigError, match="expected bool"):
+        load_config({}, write(tmp_path, "allow_open_api = 1\n"), {})
+    with pytest.raises(ConfigError, match="origins like"):
+        load_config({}, write(tmp_path, 'allowed_origins = ["https://a.example/"]\n'), {})

@@ -353,14 +353,14 @@ def _bad_hexes(good: str) -> list[object]:
 @pytest.mark.parametrize("index", range(8))
 def test_a_bad_sha256_is_refused(manifest: Manifest, index: int) -> None:
     bad = _bad_hexes(manifest.shards[0].sha256)[index]
-    with pytest.raises(ManifestError, match="sha256 is not 64 lowercase hex"):
+    with pytest.raises(ManifestError, match="sha256' is not 64 lowercase hex"):
         parse_manifest(edited(manifest, _set(("shards", 0, "sha256"), bad)))
 
 
 @pytest.mark.parametrize("index", range(8))
 def test_a_bad_chunk_hash_is_refused(manifest: Manifest, index: int) -> None:
     bad = _bad_hexes(manifest.files[0].chunks[1])[index]
-    with pytest.raises(ManifestError, match="chunk is not 64 lowercase hex"):
+    with pytest.raises(ManifestError, match="chunk' is not 64 lowercase hex"):
         parse_manifest(edited(manifest, _set(("files", 0, "chunks", 1), bad)))
 
 
@@ -446,7 +446,7 @@ def test_shards_must_tile_the_layers(manifest: Manifest, edit: str) -> None:
     "value", [0, -1, MIN_CHUNK_BYTES - 1, MAX_CHUNK_BYTES + 1, 1 << 40], ids=str
 )
 def test_chunk_bytes_out_of_range_is_refused(manifest: Manifest, value: int) -> None:
-    with pytest.raises(ManifestError, match=r"chunk_bytes is not an integer in 65536\.\."):
+    with pytest.raises(ManifestError, match=r"chunk_bytes' is not an integer in 65536\.\."):
         parse_manifest(edited(manifest, _set(("chunk_bytes",), value)))
 
 

@@ -196,5 +196,51 @@ def test_ban_entries_are_bounded_and_ended_ones_go_first() -> None:
     table.ban("c", "bad", T0 + 110)  # full: "a" (ended first) makes room
     assert table.offences("a", T0 + 110) == 0
     assert [r.peer_id for r in table.bans(T0 + 110)] == ["b", "c"]
-    table.ban("d", "bad", T0 + 120)  # full of active bans: the one ending first goes
-    assert [r.peer_id for r in table.bans(T0 + 120)] == ["c", "d"]
+    table.ban("d", "bad", T0 + 120)  # full of active bans: the newest of the mildest goes
+    assert [r.peer_id for r in table.bans(T0 + 120)] == ["b", "d"]
+
+
+def test_thousands_of_throwaway_bans_never_evict_a_real_ban() -> None:
+    """Before: a full table dropped the ban ending first, so 4,096 fresh peer ids banned
+    after a real offender (a first offence ends soonest) pushed its ban out."""
+    table = PeerTable()  # max_bans 4096
+    table.ban("real", "sent garbage", T0)
+    table.ban("repeat", "bad", T0 - 100.0)
+    table.ban("repeat", "bad", T0)  # a second offence: 60 s
+    for i in range(4200):
+        table.ban(f"throwaway-{i}", "bad", T0 + 1 + i * 0.001)
+    now = T0 + 10
+    assert table.is_banned("real", now)
+    assert table.is_banned("repeat", now)
+    assert len(table.bans(now)) == 4096
+    # Ended bans make room before any ban in force does.
+    later = T0 + 31.5  # "real" (30 s) and every throwaway (30 s) have ended
+    table.ban("next", "bad", later)
+    assert table.is_banned("next", later)
+    assert table.is_banned("repeat", later)
+
+
+def test_a_repeat_offending_address_is_banned_for_fresh_peer_ids() -> None:
+    table = PeerTable()
+    table.ban("p1", "bad", T0, addr="203.0.113.7")
+    assert not table.is_address_banned("203.0.113.7", T0 + 1)  # one offence: the peer only
+    table.ban("p2", "bad", T0 + 5, addr="203.0.113.7")  # a second peer id, same address
+    assert table.is_address_banned("203.0.113.7", T0 + 6)
+    assert not table.is_address_banned("203.0.113.8", T0 + 6)
+    assert not table.is_banned("fresh-id", T0 + 6)  # the id is new; its address is not
+    assert not table.is_address_banned("203.0.113.7", T0 + 5 + 30)  # ends with the peer ban
+    # Loopback (and junk) is never address-banned: nodes of one machine share it.
+    for _ in range(3):
+        table.ban(f"local-{_}", "bad", T0, addr="127.0.0.1")
+    assert not table.is_address_banned("127.0.0.1", T0 + 1)
+    table.ban("junk", "bad", T0, addr="not an ip")
+    assert not table.is_address_banned("not an ip", T0 + 1)
+
+
+def test_ban_reasons_are_kept_as_one_safe_line() -> None:
+    table = PeerTable()
+    table.ban("p", "bad\nDIAG: forged line \x1b[31mred" + "x" * 1000, T0)
+    (row,) = table.bans(T0)
+    assert "\n" not in row.reason and "\x1b" not in row.reason
+    assert row.reason.startswith("bad?DIAG: forged line ?[31mred")
+    assert len(row.reason) <= 201

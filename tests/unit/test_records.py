@@ -170,6 +170,7 @@ def test_tampering_any_field_breaks_the_signature(name: str) -> None:
         "api_url": "http://127.0.0.1:8801",
         "version": "0.1.1",
         "expires_at": NOW + 61.0,
+        "seq": 2,
         "sig": bytes([fields["sig"][0] ^ 1]) + fields["sig"][1:],
     }[name]
     assert tampered != fields[name]
@@ -232,9 +233,9 @@ def test_not_a_record(value: bytes) -> None:
 def test_ext_types_are_refused_by_the_unpacker(length: int) -> None:
     fields = wire_fields(sign_record(ALICE, make_record()))
     fields["dtype"] = msgpack.ExtType(5, b"\x00" * length)
-    with pytest.raises(MalformedRecordError, match="not valid msgpack"):
+    with pytest.raises(MalformedRecordError, match="ext type"):
         decode_record(repack(fields), NOW)
-    with pytest.raises(MalformedRecordError, match="not valid msgpack"):
+    with pytest.raises(MalformedRecordError, match="ext type"):
         decode_record(msgpack.packb(msgpack.ExtType(5, b"\x00" * length)), NOW)
 
 
@@ -308,6 +309,10 @@ BAD_FIELDS = [
     ("addrs", {"a": 1}),
     ("sig", "x" * 64),
     ("sig", b"x" * 63),
+    ("seq", -1),
+    ("seq", True),
+    ("seq", 1.0),
+    ("seq", 2**63),
 ]
 
 
@@ -330,8 +335,8 @@ def test_non_canonical_encodings_are_refused() -> None:
     # The same content, throughput as float32.
     as_float32 = msgpack.packb(fields, use_bin_type=True, use_single_float=True)
     # A duplicate key: a valid record followed by a second "state".
-    assert value[:3] == b"\xde\x00\x11"  # a map of 17 entries
-    duplicated = b"\xde\x00\x12" + value[3:] + msgpack.packb("state") + msgpack.packb("ready")
+    assert value[:3] == b"\xde\x00\x12"  # a map of 18 entries
+    duplicated = b"\xde\x00\x13" + value[3:] + msgpack.packb("state") + msgpack.packb("ready")
     for variant in (reordered, as_float32, duplicated):
         assert variant != value
         with pytest.raises(MalformedRecordError, match="canonical"):
@@ -386,7 +391,7 @@ def test_msgpack_bomb_fails_fast_without_allocating(bomb: bytes) -> None:
         msgpack.packb({"peer_id": "a" * 1025}),  # str over max_str_len
         msgpack.packb({"sig": b"s" * 65}),  # bin over max_bin_len
         msgpack.packb({"addrs": ["/a"] * 17}),  # array over max_array_len
-        msgpack.packb({f"k{i}": 0 for i in range(19)}),  # map over max_map_len
+        msgpack.packb({f"k{i}": 0 for i in range(20)}),  # map over max_map_len
     ],
 )
 def test_unpacker_limits_refuse_before_field_checks(value: bytes) -> None:
@@ -476,3 +481,19 @@ def test_errors_are_in_the_tree_and_counted_by_reason() -> None:
         "rejected_too_large": 1,
     }
     assert stats.rejected_total == 3
+
+
+def test_seq_is_signed_and_round_trips() -> None:
+    record = make_record(seq=1_700_000_000_123_456)
+    assert decode_record(sign_record(ALICE, record), NOW) == record
+    assert make_record().seq == 0  # a record made without one (Discovery sets it)
+
+
+def test_a_record_of_many_tiny_items_is_refused_before_unpacking() -> None:
+    # 4,000 one-byte items: under the size cap, but no record has that many fields.
+    value = b"\x91" * 2000 + b"\xc0"  # [[[...[nil]...]]]: depth 2,000
+    with pytest.raises(MalformedRecordError, match="deep"):
+        decode_record(value, NOW)
+    flat = b"\xdc\x0f\xa0" + b"\xc0" * 4000  # one array of 4,000 nils
+    with pytest.raises(MalformedRecordError, match="items"):
+        decode_record(flat, NOW)

@@ -347,3 +347,20 @@ def test_a_colliding_value_gets_a_longer_tag() -> None:
     assert len(TAG_RE.fullmatch(tag_second)["hex"]) == 8
     assert tag_second.startswith(tag_first[:-1])  # the same digest, four more digits
     assert (again_second, again_first) == (tag_second, tag_first)
+
+
+def test_http_error_bodies_about_peers_carry_no_addresses() -> None:
+    from swarmd.api.errors import classify
+    from swarmd.errors import InvalidRequestError, PeerError, UnavailableError
+
+    text = "stage 12D3KooWabc at /ip4/203.0.113.7/tcp/4001 and 192.168.1.20 did not answer"
+    for exc in (PeerError(text), UnavailableError(text), RuntimeError(text)):
+        status, body, _ = classify(exc)
+        message = body["error"]["message"]  # type: ignore[index]
+        assert status >= 500
+        assert "203.0.113.7" not in message and "192.168.1.20" not in message
+        if not isinstance(exc, RuntimeError):
+            assert "12D3KooWabc" in message and "/tcp/4001" in message  # the story stays
+    # A client's own request is quoted back as it was.
+    _, body, _ = classify(InvalidRequestError("stop '10.0.0.1' is too long", "stop"))
+    assert "10.0.0.1" in body["error"]["message"]  # type: ignore[index]

@@ -1,4 +1,5 @@
-"""The DIAG line a finished request prints, and the ring of recent requests."""
+"""The DIAG line a finished request prints, the ring of recent requests, and the ledger of
+failure reports that proved false (who gets banned for lying)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import logging
 
 import pytest
 
-from swarmd.pipeline.report import FailureRing, RequestRecord, RequestRing
+from swarmd.pipeline.report import FailureRing, FalseReports, RequestRecord, RequestRing
 
 PREFIX = "DIAG: request complete "
 
@@ -252,3 +253,41 @@ def test_the_failure_ring_keeps_diag_lines_at_warning_and_above() -> None:
     lines = [f.line for f in ring.recent()]
     assert lines == ["DIAG: peer banned peer=BBBB reason=garbage", "DIAG: bad frame peer=CCCC"]
     assert all(f.logger == "swarmd.test-failure-ring" for f in ring.recent())
+
+
+# --- false reports ----------------------------------------------------------------------
+
+
+def test_a_teller_is_banned_at_its_third_false_report_within_ten_minutes() -> None:
+    ledger = FalseReports()
+    assert (ledger.limit, ledger.window_s) == (3, 600.0)
+    assert ledger.add("liar", now=0.0) is False
+    assert ledger.add("liar", now=100.0) is False
+    assert ledger.count("liar", now=100.0) == 2
+    assert ledger.add("liar", now=599.0) is True
+
+
+def test_false_reports_older_than_the_window_are_forgiven() -> None:
+    ledger = FalseReports()
+    ledger.add("teller", now=0.0)
+    ledger.add("teller", now=300.0)
+    assert ledger.add("teller", now=600.0) is False  # the first one is 600 s old: gone
+    assert ledger.count("teller", now=600.0) == 2
+    assert ledger.add("teller", now=650.0) is True
+
+
+def test_tellers_are_charged_apart_and_a_ban_starts_the_count_again() -> None:
+    ledger = FalseReports(limit=2)
+    assert ledger.add("a", now=0.0) is False
+    assert ledger.add("b", now=1.0) is False
+    assert ledger.add("a", now=2.0) is True
+    assert ledger.count("a", now=2.0) == 0  # the ban's own backoff takes over
+    assert ledger.count("b", now=2.0) == 1
+
+
+def test_the_ledger_holds_a_bounded_number_of_tellers() -> None:
+    ledger = FalseReports(max_tellers=3)
+    for i in range(10):
+        ledger.add(f"throwaway-{i}", now=float(i))
+    assert sum(ledger.count(f"throwaway-{i}", now=10.0) for i in range(10)) == 3
+    assert ledger.count("throwaway-9", now=10.0) == 1  # the newest are kept

@@ -1,7 +1,8 @@
 """The stage protocol's frames: every builder round-trips, every field a peer sends is checked.
 
 Structural garbage is a MalformedFrameError (the sender gets banned); a well-formed open
-this node cannot serve is a StageRefusedError (answered, nobody banned), never the former.
+this node cannot serve is a StageRefusedError (answered, nobody banned), never the former;
+one whose request asked for a value out of `bounds` is a RequestRefusedError naming it.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from swarmd.errors import MalformedFrameError, StageRefusedError
+from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import SamplingParams
 from swarmd.net.frames import FRAME_HEADER_BYTES, FrameDecoder, encode_frame
+from swarmd.pipeline import wire as stage_wire
 from swarmd.pipeline.wire import (
     END_FRAME,
     MAX_LOGIT_BIAS,
@@ -40,6 +42,8 @@ from swarmd.pipeline.wire import (
     parse_ret,
     parse_step,
     parse_token,
+    refusal_frame,
+    relay_frame,
     ret_frame,
     step_frame,
     token_frame,
@@ -242,12 +246,52 @@ def test_token_of_a_step_that_wanted_none() -> None:
 
 
 def test_fail_round_trips() -> None:
-    for kind in ("lost", "bad", "refused"):
+    for kind in ("lost", "bad", "declined"):
         frame = fail_frame(NEXT, "connection reset", kind)
         assert parse_fail(wire(frame)) == Fail(NEXT, "connection reset", kind)
     long = fail_frame(NEXT, "x" * (MAX_WHY_CHARS + 50), "bad")
-    assert parse_fail(long).why == "x" * MAX_WHY_CHARS
+    assert parse_fail(long).why == "x" * (MAX_WHY_CHARS - 1) + "…"
+    assert len(parse_fail(long).why) == MAX_WHY_CHARS
     assert frame_type(long) == "fail"
+
+
+def test_a_refusal_carries_its_status_and_param() -> None:
+    plain = fail_frame(NEXT, "no", "refused")
+    assert parse_fail(wire(plain)) == Fail(NEXT, "no", "refused", 400, None)
+    big = fail_frame(NEXT, "too long", "refused", 413, "max_tokens")
+    assert parse_fail(wire(big)) == Fail(NEXT, "too long", "refused", 413, "max_tokens")
+    # A relaying stage passes both on as they were.
+    assert parse_fail(wire(relay_frame(wire(big)))) == parse_fail(wire(big))
+    # Only a refusal carries them; a status or param outside the known sets is garbage.
+    malformed(lambda: parse_fail({**fail_frame(NEXT, "x", "lost"), "status": 400}), "fields")
+    malformed(lambda: parse_fail({**plain, "status": 500}), "status")
+    malformed(lambda: parse_fail({**plain, "status": True}), "status")
+    malformed(lambda: parse_fail({**plain, "param": "x\nforged"}), "parameter")
+    del plain["param"]
+    malformed(lambda: parse_fail(plain), "fields")
+
+
+def test_refusal_frame_tells_a_refused_request_from_a_declined_session() -> None:
+    asked = RequestRefusedError("top_k -3 is below 0", "top_k")
+    assert parse_fail(refusal_frame(ME, asked)) == Fail(
+        ME, "top_k -3 is below 0", "refused", 400, "top_k"
+    )
+    busy = StageRefusedError("no KV room")
+    assert parse_fail(refusal_frame(ME, busy)) == Fail(ME, "no KV room", "declined")
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["line one\nDIAG: forged line", "bell\x07 and \x1b[31mred", "sep\u2028arated", "tab\there"],
+)
+def test_a_why_is_one_printable_line_when_parsed(why: str) -> None:
+    raw = {"t": "fail", "peer": NEXT, "why": why, "kind": "lost"}  # as a hostile peer sends it
+    parsed = parse_fail(wire(raw)).why
+    assert parsed.isprintable() and "\n" not in parsed and "\x1b" not in parsed
+    assert parsed.replace("?", "") in why.replace("\n", "").replace("\x07", "").replace(
+        "\x1b", ""
+    ).replace("\u2028", "").replace("\t", "")
+    assert fail_frame(NEXT, why, "bad")["why"].isprintable()  # and when built
 
 
 def test_ret_and_end_round_trip() -> None:
@@ -628,55 +672,90 @@ def test_open_with_a_bad_history(history: object) -> None:
     malformed(lambda: parse_open(open_dict(history=history), LIMITS), "history")
 
 
+def test_open_whose_history_is_longer_than_the_session_is_malformed() -> None:
+    frame = open_dict(max_len=4, history=ints_to_bytes([1, 2, 3, 4, 5]))
+    malformed(lambda: parse_open(frame, LIMITS), "history")
+    assert parse_open(open_dict(max_len=4, history=ints_to_bytes([1, 2, 3, 4])), LIMITS)
+
+
 # --- open: sampling ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"temperature": -0.1}, "temperature"),
-        ({"temperature": 100.5}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
         ({"temperature": math.inf}, "temperature"),
         ({"temperature": "1"}, "temperature"),
         ({"temperature": True}, "temperature"),
-        ({"top_p": 1.01}, "top_p"),
-        ({"top_p": -0.01}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
-        ({"top_k": -1}, "top_k"),
-        ({"top_k": VOCAB + 1}, "top_k"),
+        ({"top_p": None}, "top_p"),
         ({"top_k": 1.0}, "top_k"),
-        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": True}, "top_k"),
         ({"min_p": math.nan}, "min_p"),
-        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"presence_penalty": -math.inf}, "presence_penalty"),
-        ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"frequency_penalty": math.nan}, "frequency_penalty"),
-        ({"seed": 2**64}, "seed"),
-        ({"seed": -(2**63) - 1}, "seed"),
         ({"seed": 1.0}, "seed"),
         ({"seed": True}, "seed"),
         ({"seed": "1"}, "seed"),
     ],
 )
 def test_open_with_bad_sampling(change: dict[str, object], match: str) -> None:
+    """The wrong type, NaN or Inf: no API request makes these, the sender is at fault."""
     frame = sampling_dict(**change)
     malformed(lambda: parse_open(frame, LIMITS), match)
+    malformed(lambda: parse_open(wire(frame), LIMITS), match)  # NaN survives msgpack
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": 100}, "temperature"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": -0.01}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"logit_bias": [[VOCAB, 1.0]]}, "logit_bias"),
+        ({"logit_bias": [[-1, 1.0]]}, "logit_bias"),
+        ({"logit_bias": [[3, 100.5]]}, "logit_bias"),
+        ({"logit_bias": [[3, -101]]}, "logit_bias"),
+        ({"logit_bias": [[i % VOCAB, 0.0] for i in range(MAX_LOGIT_BIAS + 1)]}, "logit_bias"),
+    ],
+)
+def test_open_with_sampling_out_of_bounds_is_refused_naming_the_param(
+    change: dict[str, object], param: str
+) -> None:
+    """A number of the right type out of its bound is what the request asked: a 400 that
+    names the parameter, nobody banned (an older or differently bounded coordinator)."""
+    frame = sampling_dict(**change)
     seed = change.get("seed")
-    if not (type(seed) is int and not -(2**63) <= seed < 2**64):  # msgpack's int range
-        malformed(lambda: parse_open(wire(frame), LIMITS), match)  # NaN survives msgpack
+    if type(seed) is not int or -(2**63) <= seed < 2**64:  # what msgpack can carry
+        frame = wire(frame)
+    with pytest.raises(RequestRefusedError) as info:
+        parse_open(frame, LIMITS)
+    assert not isinstance(info.value, MalformedFrameError)
+    assert (info.value.param, info.value.status) == (param, 400)
+
+
+@pytest.mark.parametrize("top_k", [VOCAB, VOCAB + 1, 2**63 - 1, 0])
+def test_open_with_top_k_at_or_over_the_vocab_is_no_top_k(top_k: int) -> None:
+    assert parse_open(wire(sampling_dict(top_k=top_k)), LIMITS).sampling.top_k == 0
+    assert parse_open(wire(sampling_dict(top_k=VOCAB - 1)), LIMITS).sampling.top_k == VOCAB - 1
 
 
 @pytest.mark.parametrize(
     ("bias", "match"),
     [
-        ([[VOCAB, 1.0]], "logit_bias token"),
-        ([[-1, 1.0]], "logit_bias token"),
         ([[1.0, 1.0]], "logit_bias token"),
         ([[True, 1.0]], "logit_bias token"),
         ([["3", 1.0]], "logit_bias token"),
-        ([[3, 100.5]], "logit_bias value"),
-        ([[3, -101]], "logit_bias value"),
         ([[3, math.nan]], "logit_bias value"),
         ([[3, math.inf]], "logit_bias value"),
         ([[3, "1"]], "logit_bias value"),
@@ -684,9 +763,8 @@ def test_open_with_bad_sampling(change: dict[str, object], match: str) -> None:
         ([[3, 1.0, 2.0]], r"\[token, value\]"),
         ([(3, 1.0)], r"\[token, value\]"),
         ([3, 1.0], r"\[token, value\]"),
-        ({"3": 1.0}, "at most"),
-        ([[i % VOCAB, 0.0] for i in range(MAX_LOGIT_BIAS + 1)], "at most"),
-        (None, "at most"),
+        ({"3": 1.0}, "list of"),
+        (None, "list of"),
     ],
 )
 def test_open_with_a_bad_logit_bias(bias: object, match: str) -> None:
@@ -695,9 +773,9 @@ def test_open_with_a_bad_logit_bias(bias: object, match: str) -> None:
 
 def test_open_with_sampling_at_its_bounds_is_accepted() -> None:
     frame = sampling_dict(
-        temperature=100,
-        top_p=0,
-        top_k=VOCAB,
+        temperature=2,
+        top_p=1e-9,
+        top_k=VOCAB - 1,
         min_p=1,
         presence_penalty=-2,
         frequency_penalty=2.0,
@@ -706,9 +784,9 @@ def test_open_with_sampling_at_its_bounds_is_accepted() -> None:
     )
     sampling = parse_open(wire(frame), LIMITS).sampling
     assert sampling == SamplingParams(
-        temperature=100.0,
-        top_p=0.0,
-        top_k=VOCAB,
+        temperature=2.0,
+        top_p=1e-9,
+        top_k=VOCAB - 1,
         min_p=1.0,
         presence_penalty=-2.0,
         frequency_penalty=2.0,
@@ -775,6 +853,9 @@ def test_open_for_layers_before_the_held_range_is_refused() -> None:
 
 def test_open_longer_than_the_context_is_refused() -> None:
     refused(wire(open_dict(max_len=513)), LIMITS, "over the model's context of 512")
+    with pytest.raises(RequestRefusedError) as info:  # the request asked it: a 400
+        parse_open(wire(open_dict(max_len=513)), LIMITS)
+    assert info.value.param == "max_tokens"
     assert parse_open(open_dict(max_len=512), LIMITS).max_length == 512
 
 
@@ -782,6 +863,10 @@ def test_structural_errors_win_over_refusals() -> None:
     # A frame both malformed and for another model is malformed: the sender is at fault.
     frame = open_dict(model="other", sid="bad sid")
     malformed(lambda: parse_open(frame, LIMITS), "sid")
+    # Also over a refusal of what the request asked (a garbage frame is not a request).
+    frame = sampling_dict(top_k=-5)
+    frame["hop"] = 1  # names NEXT, not this node
+    malformed(lambda: parse_open(frame, LIMITS), "names peer")
 
 
 def test_parse_open_does_not_change_the_frame() -> None:
@@ -789,3 +874,69 @@ def test_parse_open_does_not_change_the_frame() -> None:
     before = copy.deepcopy(frame)
     parse_open(frame, LIMITS)
     assert frame == before
+
+
+# --- one declaration per frame ------------------------------------------------------------
+
+
+def built_frames() -> list[tuple[dict[str, Any], Any, Callable[[dict[str, Any]], object]]]:
+    """(frame, its declaration, its parser) for every frame a builder makes."""
+    w = stage_wire
+    return [
+        (open_frame(make_request()), w.OPEN, lambda f: parse_open(f, LIMITS)),
+        (ids_dict(), w.STEP_IDS, lambda f: parse_step(f, 0, True, LIMITS, torch.float32)),
+        (hidden_dict(), w.STEP_HIDDEN, lambda f: parse_step(f, 4, False, LIMITS, torch.float32)),
+        (token_frame(1, 5, [1.0], 0), w.TOK, lambda f: parse_token(f, 1, VOCAB, want=True)),
+        (fail_frame(NEXT, "x", "lost"), w.FAIL, parse_fail),
+        (fail_frame(NEXT, "x", "refused", 413, "max_tokens"), w.REFUSAL, parse_fail),
+        (ret_frame("s"), w.RET, parse_ret),
+        (dict(END_FRAME), w.END, frame_type),
+    ]
+
+
+def test_every_builder_emits_exactly_its_declared_keys_and_its_parser_takes_them() -> None:
+    for frame, schema, parse in built_frames():
+        assert set(frame) == schema.keys, frame["t"]
+        parse(wire(frame))
+
+
+def test_a_declaration_refuses_a_builder_that_strays_from_it() -> None:
+    frame = token_frame(1, 5, [1.0], 0)
+    with pytest.raises(ValueError, match="wrong fields"):
+        stage_wire.TOK.check_keys({**frame, "extra": 1})
+    del frame["ab"]
+    with pytest.raises(ValueError, match="wrong fields"):
+        stage_wire.TOK.check_keys(frame)
+
+
+def test_no_int_field_of_any_frame_takes_a_bool() -> None:
+    for frame, _, parse in built_frames():
+        for key, value in frame.items():
+            if type(value) is int:
+                bad = {**frame, key: True}
+                with pytest.raises(MalformedFrameError):
+                    parse(bad)
+
+
+def test_every_field_of_every_frame_is_refused_when_missing_or_of_another_type() -> None:
+    for frame, _, parse in built_frames():
+        if frame["t"] == "end":
+            continue  # one field, read by frame_type
+        for key in frame:
+            if key == "t":
+                continue
+            with pytest.raises(MalformedFrameError):
+                parse({k: v for k, v in frame.items() if k != key})
+            with pytest.raises(MalformedFrameError):
+                parse({**frame, key: {"not": "this"}})
+
+
+def test_garbage_in_sampling_wins_over_a_bound_the_request_broke() -> None:
+    """Every field's type is checked before any bound: a frame that is both refused and
+    garbage is garbage (no coordinator builds a wrong type), whichever field comes first."""
+    frame = sampling_dict(temperature=5.0, seed="7")  # out of bound, then the wrong type
+    malformed(lambda: parse_open(frame, LIMITS), "seed")
+    frame = sampling_dict(logit_bias=[[VOCAB, 1.0], [3, "x"]])  # refused entry, then garbage
+    malformed(lambda: parse_open(frame, LIMITS), "logit_bias value")
+    frame = sampling_dict(top_k=-3, logit_bias=None)
+    malformed(lambda: parse_open(frame, LIMITS), "logit_bias")

@@ -12,13 +12,15 @@ verified at start-up; any other (a seed node may hold every shard and serve only
 layers) is hashed the first time a peer asks for it. Nothing else on its disk is served.
 
 Limits: at most `max_transfers` transfers at once (a transfer is one peer fetching one
-file; it stays counted until its last chunk or until idle for TRANSFER_IDLE_S), and an
-optional upload rate shared by all of them. A peer over the cap gets an `OverloadedError`
-answer and tries another holder.
+file; it stays counted until its last chunk or until idle for TRANSFER_IDLE_S), at most
+`max_peer_transfers` of them (and as many chunks in flight) for one peer, so one peer
+cannot take every slot, and an optional upload rate shared by all of them. A peer over a
+cap gets an `OverloadedError` answer and tries another holder.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -29,9 +31,10 @@ import trio
 
 from swarmd.errors import MalformedFrameError, ModelNotFoundError, OverloadedError
 from swarmd.model.hashing import file_sha256
-from swarmd.model.manifest import FileEntry, Manifest
+from swarmd.model.manifest import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest
 from swarmd.net.host import P2PHost
 from swarmd.net.rpc import RpcService, call
+from swarmd.untrusted import Bytes, Int, Schema, Str
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +44,25 @@ TRANSFER_IDLE_S = 15.0  # a transfer with no chunk asked for this long no longer
 MANIFEST_TIMEOUT_S = 10.0
 CHUNK_TIMEOUT_S = 60.0  # one chunk, including a wait under the upload limit
 _MAX_NAME_CHARS = 128
+_MAX_MODEL_CHARS = 128  # a content id is 64 hex digits; longer is simply not held here
+
+# Each call's request and reply, declared once and read with `swarmd.untrusted`'s
+# readers. What needs the manifest (is the model held, is the index a chunk of that
+# file) is checked in code, as a ModelNotFoundError or MalformedFrameError.
+_MODEL = ("model", Str(_MAX_MODEL_CHARS))
+MANIFEST_REQUEST = Schema("manifest request", (_MODEL,))
+CHUNK_REQUEST = Schema(
+    "file_chunk request", (_MODEL, ("file", Str(_MAX_NAME_CHARS)), ("index", Int(0)))
+)
+MANIFEST_REPLY = Schema("manifest reply", (("manifest", Bytes(MAX_MANIFEST_BYTES)),))
+CHUNK_REPLY = Schema("file_chunk reply", (("data", Bytes(MAX_CHUNK_BYTES)),))
+_REPLIES = {"manifest": MANIFEST_REPLY, "data": CHUNK_REPLY}
 
 
 @dataclass(frozen=True)
 class FileServeSettings:
     max_transfers: int = 4  # peers x files being served at once
+    max_peer_transfers: int = 2  # of those, files one peer is fetching at once
     upload_bytes_per_s: float = 0.0  # shared by every transfer; 0 = no limit
 
 
@@ -67,6 +84,7 @@ class FileServer:
         self._checking = trio.Lock()
         self._settings = settings
         self._active: dict[tuple[str, str], float] = {}  # (peer, file) -> last chunk time
+        self._in_flight: dict[str, int] = {}  # peer -> chunk calls being served to it
         self._next_free = 0.0  # when the upload limit lets the next byte out (trio clock)
         self.bytes_sent = 0
 
@@ -85,24 +103,33 @@ class FileServer:
         return len(self._active)
 
     async def rpc_manifest(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        self._check_model(args.get("model"))
+        self._check_model(MANIFEST_REQUEST.read(args, _bad_frame(peer_id))["model"])
         return {"manifest": self._manifest_bytes}
 
     async def rpc_file_chunk(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
-        self._check_model(args.get("model"))
-        name, index = args.get("file"), args.get("index")
-        if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
-            raise MalformedFrameError("file_chunk: 'file' must be a file name", peer_id)
+        request = CHUNK_REQUEST.read(args, _bad_frame(peer_id))
+        self._check_model(request["model"])
+        name, index = request["file"], request["index"]
         entry = self._manifest.entry(name)
         if entry is None or not await self._holds(entry):
             raise ModelNotFoundError(f"{self._content_id[:12]}/{name[:_MAX_NAME_CHARS]}")
         chunks = len(entry.chunks)
-        if type(index) is not int or not 0 <= index < chunks:
+        if index >= chunks:
             raise MalformedFrameError(f"file_chunk: index must be in 0..{chunks - 1}", peer_id)
+        # Chunks in flight per peer are capped too: one peer asking for many chunks at
+        # once (of one file) would otherwise hold every call slot of the handler.
+        if self._in_flight.get(peer_id, 0) >= self._settings.max_peer_transfers:
+            raise OverloadedError("this node is serving your peer as many chunks as it may")
         self._admit(peer_id, name, last=index == chunks - 1)
-        offset, length = entry.chunk_span(index, self._manifest.chunk_bytes)
-        await self._pace(length)
-        data = await trio.to_thread.run_sync(_read, self._folder / name, offset, length)
+        self._in_flight[peer_id] = self._in_flight.get(peer_id, 0) + 1
+        try:
+            offset, length = entry.chunk_span(index, self._manifest.chunk_bytes)
+            await self._pace(length)
+            data = await trio.to_thread.run_sync(_read, self._folder / name, offset, length)
+        finally:
+            left = self._in_flight.pop(peer_id) - 1
+            if left:
+                self._in_flight[peer_id] = left
         self.bytes_sent += len(data)
         return {"data": data}
 
@@ -127,19 +154,24 @@ class FileServer:
                     )
             return self._checked[entry.file]
 
-    def _check_model(self, model: object) -> None:
+    def _check_model(self, model: str) -> None:
         if model != self._content_id:
-            shown = str(model)[:80]
-            raise ModelNotFoundError(f"{shown} (this node holds {self._content_id})")
+            raise ModelNotFoundError(f"{model[:80]} (this node holds {self._content_id})")
 
     def _admit(self, peer_id: str, name: str, last: bool) -> None:
         now = trio.current_time()
         self._expire(now)
         key = (peer_id, name)
-        if key not in self._active and len(self._active) >= self._settings.max_transfers:
-            raise OverloadedError(
-                f"this node is serving {len(self._active)} transfers already (its cap)"
-            )
+        if key not in self._active:
+            if len(self._active) >= self._settings.max_transfers:
+                raise OverloadedError(
+                    f"this node is serving {len(self._active)} transfers already (its cap)"
+                )
+            mine = sum(1 for peer, _ in self._active if peer == peer_id)
+            if mine >= self._settings.max_peer_transfers:
+                raise OverloadedError(
+                    f"this node is serving your peer {mine} files already (its cap per peer)"
+                )
         if last:
             self._active.pop(key, None)
         else:
@@ -196,11 +228,15 @@ async def call_file_chunk(
     return _bin(result, "data", peer_id)
 
 
+def _bad_frame(peer_id: str) -> functools.partial[MalformedFrameError]:
+    """The error the readers raise for what `peer_id` sent: a bad frame from that peer."""
+    return functools.partial(MalformedFrameError, peer_id=peer_id)
+
+
 def _bin(result: dict[str, Any], key: str, peer_id: str) -> bytes:
-    value = result.get(key)
-    if len(result) != 1 or not isinstance(value, bytes):
-        raise MalformedFrameError(f"peer {peer_id[-8:]} answered without '{key}' bytes", peer_id)
-    return value
+    """The one bytes field `key` of a reply (`manifest` or `data`), read by its schema."""
+    reply: bytes = _REPLIES[key].read(result, _bad_frame(peer_id))[key]
+    return reply
 
 
 def transfer_rate(size: int, seconds: float) -> str:

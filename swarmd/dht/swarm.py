@@ -4,6 +4,11 @@ It owns the libp2p host, the DHT and the RPC service for as long as the node run
 joins through the bootstrap peers, announces a signed record per model it serves and
 renews it, pings the peers it knows to keep the peer table's RTTs fresh, and withdraws its
 records when it stops. Trio code only: the asyncio side reaches it through `TrioBridge`.
+
+No single bad event stops it: every background loop (renewal, pings, the gate) survives
+any exception of one round (counted per loop in `loop_errors`, for ``/metrics``, and
+logged without flooding), and the extra services' failure is reported the same way. In
+a private swarm the DHT is gated like every other protocol (`_serves_dht`).
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from swarmd.net.auth import SwarmKey
 from swarmd.net.gate import SwarmGate
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
+from swarmd.net.loop_errors import LoopErrors, first_of
 from swarmd.net.peers import PeerRow, PeerTable
+from swarmd.net.remote_addr import remote_ip, remote_ips
 from swarmd.net.rpc import PING_TIMEOUT_S, RpcService, call_ping
+from swarmd.net.safe_text import safe_text
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +64,7 @@ class SwarmPresence:
         self._services = services
         self.settings = settings
         self.peers = PeerTable()
+        self.loop_errors = LoopErrors()  # failed rounds of background loops, by loop
         self._make_record = make_record
         self._host: P2PHost | None = None
         self._discovery: Discovery | None = None
@@ -105,19 +114,22 @@ class SwarmPresence:
                 open_host(
                     self.identity, self.settings.listen_port, self.settings.listen_host
                 ) as host,
-                open_discovery(host, admits=self._not_banned) as discovery,
+                open_discovery(host, admits=self._not_banned, serves=self._serves_dht) as discovery,
                 trio.open_nursery() as nursery,
             ):
                 host.admits = self._admits
                 host.misbehaved = self.ban
+                self._host = host
                 self._rpc = RpcService(host)
                 if self.settings.swarm_key is not None:
-                    self._gate = SwarmGate(host, self.settings.swarm_key, self.peers)
+                    self._gate = SwarmGate(
+                        host, self.settings.swarm_key, self.peers, self.loop_errors
+                    )
                     nursery.start_soon(self._gate.watch)
                 nursery.start_soon(self._ping_forever)
                 if self._services is not None:
-                    nursery.start_soon(self._services, host)
-                self._host, self._discovery = host, discovery
+                    nursery.start_soon(self._run_services, host)
+                self._discovery = discovery
                 self.addrs = host.addrs
                 try:
                     await self._join(discovery)
@@ -140,14 +152,24 @@ class SwarmPresence:
         except BaseExceptionGroup as group:
             cancelled, rest = group.split(trio.Cancelled)
             if cancelled is None:
-                log.exception("the swarm layer failed")
-                self._fail(InternalError(f"the swarm layer failed: {group!r}"))
+                # A SwarmError that trio wrapped (a join that failed inside a nursery) is
+                # still the reason to give; only a group without one is a bug.
+                reason = first_of(group, SwarmError)
+                if reason is None:
+                    log.exception("the swarm layer failed")
+                    reason = InternalError(f"the swarm layer failed: {group!r}")
+                self._fail(reason)
                 return
             # Stopping: py-libp2p may raise as its host winds down (a peer's stream
             # negotiating the DHT protocol as the DHT stops: KeyError '/ipfs/kad/1.0.0').
-            # That is no failure of this node; the cancellation goes on.
+            # That is no failure of this node; the cancellation goes on. Anything else
+            # that came with it is said, not swallowed.
             if rest is not None:
-                log.debug("while the swarm layer stopped: %r", rest)
+                _known, other = rest.split(KeyError)
+                if other is not None:
+                    log.warning("while the swarm layer stopped: %s", safe_text(repr(other), 500))
+                else:
+                    log.debug("while the swarm layer stopped: %r", rest)
             raise cancelled from None
         except Exception as exc:  # a bug in the swarm layer: keep the API up, say so
             log.exception("the swarm layer failed")
@@ -158,12 +180,28 @@ class SwarmPresence:
         return self._failure
 
     def _fail(self, exc: SwarmError) -> None:
-        log.error("DIAG: swarm layer stopped: %s", exc)
+        log.error("DIAG: swarm layer stopped: %s", safe_text(exc, 500))
         self._failure = exc
         self._ready.set()
 
     def _not_banned(self, peer_id: str) -> bool:
-        return not self.peers.is_banned(peer_id, time.time())
+        """Neither the peer nor an address it is connected from is banned."""
+        now = time.time()
+        if self.peers.is_banned(peer_id, now):
+            return False
+        host = self._host
+        if host is None:
+            return True
+        return not any(self.peers.is_address_banned(ip, now) for ip in remote_ips(host, peer_id))
+
+    async def _serves_dht(self, peer_id: str) -> bool:
+        """Who may send this node DHT requests: as `_admits`, waiting for the gate's
+        verdict on a peer that has only just connected."""
+        if not self._not_banned(peer_id):
+            return False
+        if self.settings.swarm_key is None:
+            return True
+        return self._gate is not None and await self._gate.admit(peer_id)
 
     def _admits(self, peer_id: str) -> bool:
         """Who may use this node's swarmd protocols (the auth protocol excepted)."""
@@ -173,12 +211,13 @@ class SwarmPresence:
 
     async def ban(self, peer_id: str, reason: str) -> None:
         """Ban a peer (growing backoff) and cut its connections."""
-        until = self.peers.ban(peer_id, reason, time.time())
+        addr = remote_ip(self._host, peer_id) if self._host is not None else None
+        until = self.peers.ban(peer_id, reason, time.time(), addr=addr)
         log.warning(
             "DIAG: peer banned peer=%s for_s=%.0f reason=%s",
-            peer_id[-8:],
+            safe_text(peer_id[-8:]),
             until - time.time(),
-            reason,
+            safe_text(reason),
         )
         if self._host is not None:
             await self._host.disconnect(peer_id)
@@ -226,7 +265,7 @@ class SwarmPresence:
             try:
                 await self._discovery.withdraw(self.identity, self._last_record)
             except SwarmError as exc:
-                log.warning("could not withdraw this node's records: %s", exc)
+                log.warning("could not withdraw this node's records: %s", safe_text(exc))
 
     async def _renew_forever(self) -> None:
         while True:
@@ -234,24 +273,40 @@ class SwarmPresence:
             try:
                 await self._announce()
             except SwarmError as exc:  # a DHT hiccup must not end the node
-                log.warning("announcement failed, retrying next period: %s", exc)
+                log.warning("announcement failed, retrying next period: %s", safe_text(exc))
+            except Exception as exc:  # nor anything else: the next period tries again
+                self.loop_errors.report("renew", exc)
 
     async def _ping_forever(self) -> None:
         while True:
             if self._host is not None:
-                await self._refresh_peers()
+                try:
+                    await self._refresh_peers()
+                except Exception as exc:  # one bad round must not stop the pings
+                    self.loop_errors.report("ping", exc)
             await trio.sleep(PING_INTERVAL_S)
 
     async def _refresh_peers(self) -> None:
         host = self.host
         for peer_id in host.connected_peers():
+            rtt_s: float | None = None
             try:
                 rtt_s = await call_ping(host, peer_id, timeout_s=PING_TIMEOUT_S)
-            except PeerError as exc:
+            except* PeerError as group:  # bare, or inside a group from trio's nurseries
                 self.peers.record_failure(peer_id)
-                log.debug("ping %s failed: %s", peer_id[-8:], exc)
-                continue
-            self.peers.record_rtt(peer_id, rtt_s * 1000.0, time.time())
+                log.debug("ping %s failed: %s", peer_id[-8:], safe_text(group.exceptions[0]))
+            if rtt_s is not None:
+                self.peers.record_rtt(peer_id, rtt_s * 1000.0, time.time())
+
+    async def _run_services(self, host: P2PHost) -> None:
+        """The extra services; their failure is reported, never the end of the host."""
+        services = self._services
+        if services is None:
+            return
+        try:
+            await services(host)
+        except Exception as exc:
+            self.loop_errors.report("services", exc)
 
     async def snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
         """Connected peer ids, the peer table and rejected-record counts (trio side)."""

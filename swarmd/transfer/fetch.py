@@ -29,8 +29,8 @@ from swarmd.dht.records import NodeRecord
 from swarmd.errors import FetchError, PeerError, RemoteError
 from swarmd.model.hashing import file_sha256, missing_files
 from swarmd.model.manifest import FileEntry, Manifest, ShardEntry
-from swarmd.net.files import call_file_chunk, transfer_rate
 from swarmd.net.host import P2PHost
+from swarmd.transfer.files import call_file_chunk, transfer_rate
 
 log = logging.getLogger(__name__)
 

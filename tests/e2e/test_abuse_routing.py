@@ -1,0 +1,104 @@
+"""Neither a valid request nor a lying peer turns a swarm against itself (real processes).
+
+- A request the API accepts is one every stage serves: `top_k: 100000` (over the
+  vocabulary: no top-k filtering) goes through a three-stage swarm, from its first stage
+  and from its last (whose route starts at another peer), with no failover and no ban;
+  2,000 `logit_bias` entries is a 400 naming `logit_bias` before any route is tried.
+- A stage that answers every step with a report blaming its honest next stage gets
+  nobody else banned: each request still completes around it, and after three reports
+  its coordinator disproved (the named stage answers a ping) the liar is the one banned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import NodeProcess, http_json
+from tests.e2e.test_pipeline import HOSTILE, Swarm, chat_body, complete, swarm_env
+
+__all__ = ["swarm_env"]  # the fixture, used by name
+
+pytestmark = pytest.mark.e2e
+
+
+def bans(node: NodeProcess) -> list[str]:
+    return [str(b["peer_id"]) for b in node.get_json("/api/peers")["bans"]]  # type: ignore[union-attr]
+
+
+def model_id(node: NodeProcess) -> str:
+    return str(node.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
+
+
+def test_requests_at_the_bounds_pass_every_stage_and_too_many_logit_biases_are_a_400(
+    tmp_path: Path, tiny_chat_dir: Path, swarm_env: None
+) -> None:
+    swarm = Swarm(tmp_path, ["--model", str(tiny_chat_dir)])
+    try:
+        swarm.start([("a", "0:2", None), ("b", "2:3", None), ("c", "3:4", None)])
+        for name in ("a", "c"):
+            swarm.wait_holders(name, 3)
+        model = model_id(swarm["a"])
+        base = {**chat_body("Tell me about the sea.", 8), "model": model}
+        edges = {
+            "top_k": 100_000,
+            "temperature": 2.0,
+            "top_p": 1e-9,
+            "min_p": 1.0,
+            "presence_penalty": -2.0,
+            "frequency_penalty": 2.0,
+            "seed": 2**64 - 1,
+            "logit_bias": {str(t): 100.0 if t % 2 else -100.0 for t in range(1024)},
+        }
+        for name in ("a", "c"):  # stage 0 is the coordinator itself, then another peer
+            reply, headers = complete(swarm[name], {**base, "top_k": 100_000})
+            assert reply["swarm"]["failovers"] == 0
+            assert headers["x-swarm-segments"] == "3"
+            reply, _ = complete(swarm[name], {**base, **edges})
+            assert reply["swarm"]["failovers"] == 0 and reply["usage"]["completion_tokens"] > 0
+            too_many = {**base, "logit_bias": {str(t): 1.0 for t in range(2000)}}
+            status, error, _ = http_json(f"{swarm[name].url}/v1/chat/completions", too_many)
+            assert status == 400, error
+            assert error["error"]["param"] == "logit_bias"
+            assert error["error"]["type"] == "invalid_request_error"
+        for name in ("a", "b", "c"):
+            assert bans(swarm[name]) == [], name
+            log = swarm[name].log_text()
+            assert "stage failed" not in log and "stage rejected a frame" not in log, name
+    finally:
+        swarm.stop()
+
+
+def test_a_stage_that_blames_its_honest_neighbour_is_the_one_banned(
+    tmp_path: Path, tiny_chat_dir: Path, swarm_env: None
+) -> None:
+    swarm = Swarm(tmp_path, ["--model", str(tiny_chat_dir)])
+    try:
+        swarm.start(
+            [
+                ("a", "0:2", None),
+                ("liar", "2:3", [*HOSTILE, "blame"]),
+                ("b", "2:3", None),
+                ("c", "3:4", None),
+            ]
+        )
+        swarm.wait_holders("a", 4)
+        liar_peer = str(swarm["liar"].health()["peer_id"])
+        honest = {str(swarm[n].health()["peer_id"]) for n in ("a", "b", "c")}
+        body = {**chat_body("Tell me about the sea.", 8), "model": model_id(swarm["a"])}
+        replies = []
+        for n in range(1, 5):
+            reply, _ = complete(swarm["a"], body)  # completes every time, around the liar
+            replies.append(reply["choices"][0]["token_ids"])
+            assert swarm.short_id("liar") not in reply["swarm"]["nodes"]
+            # The liar's first three reports each cost a failover; then it is banned.
+            assert reply["swarm"]["failovers"] == (1 if n <= 3 else 0), n
+            assert honest.isdisjoint(bans(swarm["a"])), n
+            assert (liar_peer in bans(swarm["a"])) == (n >= 3), n
+        assert all(r == replies[-1] for r in replies)  # greedy: the same reply every time
+        for name in ("b", "c"):
+            assert honest.isdisjoint(bans(swarm[name])), name
+        assert "proved false" in swarm["a"].log_text()
+    finally:
+        swarm.stop()

@@ -1,0 +1,295 @@
+"""Blame that cannot be forged: the coordinator bans only on its own evidence.
+
+A stage's `fail` report naming another peer used to get that peer banned, so one hostile
+stage could ban every honest one in turn. Now the report is checked (a ping of the peer
+it names): a silent peer is this node's own evidence; one that answers is only avoided
+for this request, and the teller is charged - three false reports in ten minutes and
+the teller is the one banned. A refusal of what the request asked is a 4xx, no failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import trio
+
+from swarmd.dht.records import NodeRecord
+from swarmd.errors import (
+    InvalidRequestError,
+    KVRoomError,
+    PeerError,
+    StageFailedError,
+    SwarmError,
+    UnconfirmedReportError,
+)
+from swarmd.model.sampling import SamplingParams
+from swarmd.pipeline import ring as ring_module
+from swarmd.pipeline import wire
+from swarmd.pipeline.distributed import ChainSettings, DistributedChain
+from swarmd.pipeline.report import FalseReports
+from swarmd.pipeline.ring import Ring, RingTimeouts
+from swarmd.pipeline.route import Route, plan_route
+from tests.unit.test_route import record as route_record
+
+L = 30
+MODEL = "m"
+COORD = "12D3KooWCOORDxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+LIAR = "12D3KooWLIARxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+FIRST2 = "12D3KooWFIRST2xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+HONEST = "12D3KooWHONESTxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+HONEST2 = "12D3KooWHONEST2xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+LAST = "12D3KooWLASTxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+SETTINGS = ChainSettings(MODEL, L, 100, 16, max_failovers=4, timeouts=RingTimeouts())
+
+
+def record(peer: str, start: int, end: int, tps: float) -> NodeRecord:
+    return route_record(peer, start, end, tps, model_id=MODEL)
+
+
+# The liar and HONEST are the preferred holders of their ranges; each has a standby.
+RECORDS = [
+    record(LIAR, 0, 10, 1000.0),
+    record(FIRST2, 0, 10, 10.0),
+    record(HONEST, 10, 20, 1000.0),
+    record(HONEST2, 10, 20, 10.0),
+    record(LAST, 20, 30, 1000.0),
+]
+
+
+class FakeSwarm:
+    """The node as a chain sees it, with bans recorded; trio calls run inline."""
+
+    peer_id = COORD
+    stage_service: Any = None
+
+    def __init__(self, records: list[NodeRecord] = RECORDS) -> None:
+        self.records = records
+        self.bans: list[tuple[str, str]] = []
+
+    async def holders(self, model_id: str) -> list[NodeRecord]:
+        return self.records
+
+    def rtt_ms(self) -> dict[str, float]:
+        return {}
+
+    def banned(self) -> set[str]:
+        return {peer for peer, _ in self.bans}
+
+    def listen_addrs(self) -> list[str]:
+        return []
+
+    async def ban(self, peer_id: str, reason: str) -> None:
+        self.bans.append((peer_id, reason))
+
+    async def in_trio(self, fn: Any, *args: Any) -> Any:
+        return await fn(*args)
+
+
+def first_route(swarm: FakeSwarm) -> Route:
+    return plan_route(MODEL, L, COORD, RECORDS, banned=swarm.banned(), need_tokens=100)
+
+
+# --- the chain: what it does with each kind of failure -----------------------------------
+
+
+def test_a_liar_naming_an_honest_peer_never_gets_it_banned_and_is_banned_itself() -> None:
+    swarm = FakeSwarm()
+    ledger = FalseReports()
+
+    async def requests() -> None:
+        for n in range(1, 4):  # three requests, each told the same lie once
+            route = first_route(swarm)
+            assert route.peers == (LIAR, HONEST, LAST)
+            chain = DistributedChain(swarm, SETTINGS, route, RECORDS, 100, ledger)
+            lie = UnconfirmedReportError("stage HONEST lost", HONEST, "lost", LIAR, True)
+            await chain._fail_over(lie)
+            assert HONEST not in swarm.banned()
+            if n < 3:
+                assert swarm.bans == []
+                # This request goes on around the named peer; the next may use it again.
+                assert chain.route.peers == (LIAR, HONEST2, LAST)
+        assert [peer for peer, _ in swarm.bans] == [LIAR]
+        assert "proved false" in swarm.bans[0][1]
+        # The third request went on without the liar (and with HONEST back in).
+        assert chain.route.peers == (FIRST2, HONEST, LAST)
+        assert first_route(swarm).peers == (FIRST2, HONEST, LAST)
+
+    asyncio.run(requests())
+
+
+def test_lies_about_peers_off_the_route_are_charged_too() -> None:
+    swarm = FakeSwarm()
+    ledger = FalseReports()
+
+    async def requests() -> None:
+        for _ in range(3):
+            chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100, ledger)
+            await chain._fail_over(UnconfirmedReportError("x lost", None, "lost", LIAR, True))
+        assert swarm.banned() == {LIAR}
+
+    asyncio.run(requests())
+
+
+def test_a_bad_frame_report_a_ping_cannot_disprove_never_charges_its_teller() -> None:
+    """The named peer may feed garbage to its neighbour alone and answer this node: the
+    neighbour (which bans it itself) must not be the one banned for telling."""
+    swarm = FakeSwarm()
+    ledger = FalseReports()
+
+    async def requests() -> None:
+        for _ in range(5):
+            chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100, ledger)
+            told = UnconfirmedReportError("bad frame", HONEST, "bad", LAST, False)
+            await chain._fail_over(told)
+            assert chain.route.peers == (LIAR, HONEST2, LAST)  # routed around, this request
+        assert swarm.bans == []
+
+    asyncio.run(requests())
+
+
+def test_when_only_the_named_peer_holds_its_range_the_request_avoids_the_teller() -> None:
+    records = [r for r in RECORDS if r.peer_id != HONEST2]  # HONEST alone holds 10:20
+    swarm = FakeSwarm(records)
+
+    async def request() -> None:
+        route = plan_route(MODEL, L, COORD, records, need_tokens=100)
+        chain = DistributedChain(swarm, SETTINGS, route, records, 100)
+        await chain._fail_over(UnconfirmedReportError("HONEST lost", HONEST, "lost", LIAR, True))
+        assert chain.route.peers == (FIRST2, HONEST, LAST)
+        assert swarm.bans == []
+
+    asyncio.run(request())
+
+
+def test_own_evidence_still_bans_at_once() -> None:
+    swarm = FakeSwarm()
+
+    async def request() -> None:
+        chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100)
+        await chain._fail_over(StageFailedError("bad frame from stage", HONEST, "bad"))
+        assert swarm.banned() == {HONEST}
+        assert chain.route.peers == (LIAR, HONEST2, LAST)
+
+    asyncio.run(request())
+
+
+def test_a_declined_stage_is_left_out_of_this_request_only() -> None:
+    swarm = FakeSwarm()
+
+    async def request() -> None:
+        chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100)
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "declined"))
+        assert swarm.bans == []
+        assert chain.route.peers == (LIAR, HONEST2, LAST)
+
+    asyncio.run(request())
+
+
+# --- the ring: which error a report becomes ----------------------------------------------
+
+
+def make_ring(route: tuple[str, ...], me: str = COORD) -> Ring:
+    hops, at = [], 0
+    for peer in route:
+        hops.append(wire.RouteHop(peer, at, at + L // len(route)))
+        at += L // len(route)
+    request = wire.OpenRequest(
+        "r.1", 0, tuple(hops), {}, me, MODEL, 64, SamplingParams(), history=()
+    )
+    service = SimpleNamespace(peer_id=me, host=None)
+    return Ring(service, request, RingTimeouts(), 100)  # type: ignore[arg-type]
+
+
+def judge(
+    monkeypatch: pytest.MonkeyPatch,
+    ring: Ring,
+    frame: dict[str, Any],
+    source: str,
+    silent: frozenset[str] = frozenset(),
+) -> tuple[SwarmError, list[str]]:
+    pinged: list[str] = []
+
+    async def fake_ping(host: object, peer_id: str, timeout_s: float, rounds: int) -> None:
+        pinged.append(peer_id)
+        if peer_id in silent:
+            raise PeerError("no answer", peer_id)
+
+    monkeypatch.setattr(ring_module, "call_ping", fake_ping)
+
+    async def run() -> SwarmError:
+        return await ring._judge(wire.parse_fail(frame), source)
+
+    return trio.run(run), pinged
+
+
+def test_a_report_naming_a_peer_that_answers_is_unconfirmed_and_charged_to_its_teller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    error, pinged = judge(monkeypatch, ring, wire.fail_frame(HONEST, "lost", "lost"), "up")
+    assert isinstance(error, UnconfirmedReportError)
+    assert (error.peer_id, error.reporter, pinged) == (HONEST, LIAR, [HONEST])
+    # On the return stream, the teller is the last stage.
+    assert error.disproved  # a peer said to be lost answered
+    error, _ = judge(monkeypatch, ring, wire.fail_frame(HONEST, "bad", "bad"), "ret")
+    assert isinstance(error, UnconfirmedReportError) and error.reporter == LAST
+    assert not error.disproved  # a ping says nothing of the frames it sent
+
+
+def test_past_this_nodes_own_stage_the_teller_is_its_neighbour(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((COORD, LIAR, HONEST))  # stage 0 is this node (a LoopLink)
+    error, _ = judge(monkeypatch, ring, wire.fail_frame(HONEST, "lost", "lost"), "up")
+    assert isinstance(error, UnconfirmedReportError) and error.reporter == LIAR
+
+
+def test_a_report_naming_a_peer_that_does_not_answer_is_own_evidence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    frame = wire.fail_frame(HONEST, "lost", "lost")
+    error, _ = judge(monkeypatch, ring, frame, "up", frozenset({HONEST}))
+    assert type(error) is StageFailedError
+    assert (error.peer_id, error.kind) == (HONEST, "lost")
+
+
+def test_a_stage_that_names_itself_is_believed(monkeypatch: pytest.MonkeyPatch) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    error, pinged = judge(monkeypatch, ring, wire.fail_frame(LIAR, "step failed", "lost"), "up")
+    assert type(error) is StageFailedError and error.peer_id == LIAR and pinged == []
+
+
+def test_a_report_naming_this_node_or_a_stranger_blames_nobody_on_the_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    error, _ = judge(monkeypatch, ring, wire.fail_frame(COORD, "lost", "lost"), "up")
+    assert type(error) is StageFailedError and error.peer_id is None
+    stranger = "12D3KooWSTRANGERxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+    error, pinged = judge(monkeypatch, ring, wire.fail_frame(stranger, "lost", "lost"), "up")
+    assert isinstance(error, UnconfirmedReportError)  # a lie about a peer not even there
+    assert (error.peer_id, error.reporter, pinged) == (None, LIAR, [])
+
+
+def test_a_refusal_of_the_request_is_its_4xx_not_a_failover(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    frame = wire.fail_frame(HONEST, "top_k -1", "refused", 400, "top_k")
+    error, pinged = judge(monkeypatch, ring, frame, "up")
+    assert isinstance(error, InvalidRequestError) and not isinstance(error, StageFailedError)
+    assert (error.status, error.param, pinged) == (400, "top_k", [])
+    frame = wire.fail_frame(HONEST, "too long", "refused", 413, "max_tokens")
+    error, _ = judge(monkeypatch, ring, frame, "up")
+    assert isinstance(error, KVRoomError) and error.status == 413
+
+
+def test_a_declined_report_only_leaves_its_stage_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    error, pinged = judge(monkeypatch, ring, wire.fail_frame(HONEST, "busy", "declined"), "up")
+    assert isinstance(error, StageFailedError) and not isinstance(error, UnconfirmedReportError)
+    assert (error.peer_id, error.kind, pinged) == (HONEST, "declined", [])
