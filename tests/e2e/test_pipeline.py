@@ -325,8 +325,17 @@ def test_a_hostile_stage_is_banned_and_routed_around(
         body = chat_body("Tell me about the sea.", 12)
         body["model"] = tiny_reference.model_id
         reference, _ = complete(tiny_reference, body)
-        reply, _ = complete(swarm["a"], body)
-        assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+        # The planner prefers h for its claimed throughput, but measured RTTs count too:
+        # on a loaded machine the honest b2 may win a first plan. Every reply must be
+        # right; the first one planned through h must have routed around it.
+        for _attempt in range(10):
+            reply, _ = complete(swarm["a"], body)
+            assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+            if reply["swarm"]["failovers"]:
+                break
+            assert hostile not in reply["swarm"]["nodes"]
+        else:
+            pytest.fail("ten plans in a row left out the stage claiming the best throughput")
         assert reply["swarm"]["failovers"] == 1
         assert hostile not in reply["swarm"]["nodes"]
         hostile_peer = swarm["h"].health()["peer_id"]
