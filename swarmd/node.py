@@ -144,7 +144,6 @@ class Node:
         self.started_wall = time.time()
         self.api_url = ""
         self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
-        self._signed_seen: dict[str, frozenset[str]] = {}  # peer -> its record's addrs
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
@@ -372,16 +371,10 @@ class Node:
 
     async def _signed_addrs(self, peer_id: str, fresh: bool) -> frozenset[str] | None:
         """Trio side: the addresses `peer_id`'s signed record for this model lists (None:
-        no live record): from the last lookups, or, `fresh`, from a new one (a DHT walk)."""
+        no live record): from the last lookup, or, `fresh`, from a new one (a DHT walk)."""
         model_id = self.model.model_id
         if fresh:
             records = await self.swarm.holders(model_id)
-            # Kept for the next opens: a stage that never coordinates has no holders
-            # cache, and each new next hop would cost it a walk. Every address here was
-            # signed by its peer, so an old entry never lets a frame pick where to dial.
-            self._signed_seen.update((r.peer_id, frozenset(r.addrs)) for r in records)
-        elif peer_id in self._signed_seen:
-            return self._signed_seen[peer_id]
         else:
             cached = self._holders_cache.get(model_id)
             records = cached[1] if cached is not None else []
