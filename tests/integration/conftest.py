@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,3 +77,16 @@ def host_record(host: P2PHost, model_id: str = "m") -> NodeRecord:
         version="0.1.0",
         expires_at=time.time() + 60.0,
     )
+
+
+def hold_steps(node: Node, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Make every forward of `node` wait until the returned event is set (or 30 s)."""
+    release = threading.Event()
+    real_step = node.runtime.step_many
+
+    def held_step(*args: Any, **kwargs: Any) -> Any:
+        release.wait(timeout=30)  # holds the session slots until the test lets go
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(node.runtime, "step_many", held_step)
+    return release

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
 from swarmd.errors import ConfigError
 from swarmd.node import Node, check_api_exposure
-from tests.integration.conftest import NodeFactory, body, poll
+from tests.integration.conftest import NodeFactory, body, hold_steps, poll
 
 CHAT = "/v1/chat/completions"
 
@@ -263,14 +262,7 @@ async def test_a_full_queue_answers_503_at_once(
     make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = await make_node(max_sessions=1, max_queued_requests=1)
-    release = threading.Event()
-    real_step = node.runtime.step_many
-
-    def held_step(*args: Any, **kwargs: Any) -> Any:
-        release.wait(timeout=30)
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(node.runtime, "step_many", held_step)
+    release = hold_steps(node, monkeypatch)
     url = node.api_url + CHAT
     try:
         async with aiohttp.ClientSession() as http:

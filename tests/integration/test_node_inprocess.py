@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ import aiohttp
 import pytest
 
 from swarmd.errors import InternalError
-from tests.integration.conftest import NodeFactory, body, poll
+from tests.integration.conftest import NodeFactory, body, hold_steps, poll
 
 
 async def read_events(response: aiohttp.ClientResponse) -> list[Any]:
@@ -31,14 +30,7 @@ async def test_a_full_node_answers_503_with_retry_after(
     make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     node = await make_node(max_sessions=1, queue_timeout_s=0.2)
-    release = threading.Event()
-    real_step = node.runtime.step_many
-
-    def held_step(*args: Any, **kwargs: Any) -> Any:
-        release.wait(timeout=30)  # holds the only slot until the test lets go
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(node.runtime, "step_many", held_step)
+    release = hold_steps(node, monkeypatch)
     async with aiohttp.ClientSession() as http:
         url = f"{node.api_url}/v1/chat/completions"
         first = asyncio.create_task(http.post(url, json=body(max_tokens=3)))
