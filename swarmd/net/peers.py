@@ -4,8 +4,16 @@ No I/O and no clock: every method that needs the time takes ``now`` (unix second
 networking code feeds it samples; the scheduler and the diagnostics read `snapshot()`
 and `bans(now)`.
 
-Measurements are exponentially weighted moving averages: the first sample is taken as
-is, each later one moves the estimate by ``alpha`` of the difference.
+A peer's RTT is the lowest of its last ``rtt_window`` round trips (8: about 40 s of
+pings). Route planning wants the path's delay, and a ping answered while the peer or this
+node was busy (starting up, loading weights, computing) measures that stall instead. An
+average (TCP's, alpha 1/8) kept such a sample for minutes: on a loaded machine one
+peer's first pings held it at 51-58 ms beside its neighbours' 10 ms for ten requests
+in a row, and the planner left it out. The minimum forgets a stall at the next good
+ping, and follows a path that really got slower once its faster samples leave the
+window. Throughput is an
+exponentially weighted moving average: the first sample is taken as is, each later one
+moves the estimate by ``alpha`` of the difference.
 
 Bans grow with repeat offences and are forgotten with good behaviour (`BanPolicy`):
 
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from swarmd.net.safe_text import safe_text
@@ -57,7 +66,7 @@ class PeerRow:
 
     peer_id: str
     addrs: tuple[str, ...]
-    rtt_ms: float | None  # EWMA of round-trip samples
+    rtt_ms: float | None  # the lowest of the last `rtt_window` round trips
     last_seen: float | None  # unix seconds
     throughput_bps: float | None  # EWMA of transfer rates, bytes/s
     failures: int  # failed calls since the peer entered the table
@@ -73,11 +82,11 @@ class BanRow:
 
 
 class _Peer:
-    __slots__ = ("addrs", "failures", "last_seen", "rtt_ms", "throughput_bps")
+    __slots__ = ("addrs", "failures", "last_seen", "rtts", "throughput_bps")
 
-    def __init__(self) -> None:
+    def __init__(self, rtt_window: int) -> None:
         self.addrs: tuple[str, ...] = ()
-        self.rtt_ms: float | None = None
+        self.rtts: deque[float] = deque(maxlen=rtt_window)
         self.last_seen: float | None = None
         self.throughput_bps: float | None = None
         self.failures = 0
@@ -125,18 +134,19 @@ class PeerTable:
     def __init__(
         self,
         *,
-        rtt_alpha: float = 0.125,  # as TCP's smoothed RTT (RFC 6298)
+        rtt_window: int = 8,
         throughput_alpha: float = 0.25,
         ban_policy: BanPolicy | None = None,
         max_peers: int = 4096,
         max_bans: int = 4096,
     ) -> None:
-        for name, alpha in (("rtt_alpha", rtt_alpha), ("throughput_alpha", throughput_alpha)):
-            if not 0 < alpha <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {alpha}")
+        if not 0 < throughput_alpha <= 1:
+            raise ValueError(f"throughput_alpha must be in (0, 1], got {throughput_alpha}")
+        if rtt_window < 1:
+            raise ValueError(f"rtt_window must be at least 1, got {rtt_window}")
         if max_peers < 1 or max_bans < 1:
             raise ValueError("max_peers and max_bans must be at least 1")
-        self._rtt_alpha = rtt_alpha
+        self._rtt_window = rtt_window
         self._throughput_alpha = throughput_alpha
         self._policy = ban_policy or BanPolicy()
         self._max_peers = max_peers
@@ -153,7 +163,7 @@ class PeerTable:
             if len(self._peers) >= self._max_peers:
                 stalest = min(self._peers, key=self._last_seen_key)
                 del self._peers[stalest]
-            peer = self._peers[peer_id] = _Peer()
+            peer = self._peers[peer_id] = _Peer(self._rtt_window)
         return peer
 
     def _last_seen_key(self, peer_id: str) -> float:
@@ -173,8 +183,7 @@ class PeerTable:
         """A round trip to the peer took `ms` milliseconds (it is also seen at `now`)."""
         sample = _check_sample("ms", ms)
         self.seen(peer_id, now)
-        peer = self._peers[peer_id]
-        peer.rtt_ms = _ewma(peer.rtt_ms, sample, self._rtt_alpha)
+        self._peers[peer_id].rtts.append(sample)
 
     def record_transfer(self, peer_id: str, nbytes: int, seconds: float, now: float) -> None:
         """`nbytes` went to or came from the peer in `seconds`; updates throughput."""
@@ -209,7 +218,7 @@ class PeerTable:
         return PeerRow(
             peer_id=peer_id,
             addrs=peer.addrs,
-            rtt_ms=peer.rtt_ms,
+            rtt_ms=min(peer.rtts) if peer.rtts else None,
             last_seen=peer.last_seen,
             throughput_bps=peer.throughput_bps,
             failures=peer.failures,

@@ -152,6 +152,7 @@ class DistributedChain:
         self._stage_s: list[float] = [0.0] * len(route.stages)
         self._activation_bytes = 0
         self._attempt = 0
+        self._vouched = False  # this ring's peers are in the ledger as having served
 
     @property
     def is_local(self) -> bool:
@@ -188,6 +189,9 @@ class DistributedChain:
                 if token_ids is None:
                     return None
                 token = await self._step(token_ids, want)
+                if not self._vouched:  # every peer of the ring carried this step
+                    self._false_reports.served(self.route.peers)
+                    self._vouched = True
                 self._steps.append(list(token_ids))
                 if token is not None:
                     self._reply.append(token)
@@ -228,6 +232,7 @@ class DistributedChain:
             self._access.stage_service, request, self._settings.timeouts, self._settings.vocab_size
         )
         self._ring = ring
+        self._vouched = False
         await self._access.in_trio(ring.open)
         chunk = min(self._settings.chunk_tokens, bounds.MAX_STEP_TOKENS)
         for tokens, alone in replay_steps(self._steps, chunk):
@@ -298,7 +303,11 @@ class DistributedChain:
         if isinstance(exc, UnconfirmedReportError):
             # Another peer's word, and the peer it named answered our check: that peer is
             # avoided for this request; a teller whose reports keep proving false is banned.
-            if exc.disproved and self._false_reports.add(exc.reporter):
+            # A report of a peer on the route is about the teller's own link, which a ping
+            # cannot disprove: a teller that has served sessions is not charged for it.
+            about_route = exc.peer_id is not None
+            vouched = about_route and self._false_reports.vouched(exc.reporter)
+            if exc.disproved and not vouched and self._false_reports.add(exc.reporter):
                 n, window = self._false_reports.limit, self._false_reports.window_s
                 why = f"{n} failure reports in {window:g} s proved false"
                 await self._access.ban(exc.reporter, why)

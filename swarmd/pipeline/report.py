@@ -7,6 +7,7 @@ import logging
 import re
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 _UNSAFE = re.compile(r"[\s=]")
@@ -145,6 +146,15 @@ class FalseReports:
     Three in ten minutes forgives the odd honest report that a ping cannot confirm (a
     link between two stages that broke while both still answer this node) and still
     catches a peer that names an honest neighbour on every request.
+
+    A ping cannot settle a report about the teller's own link, though: "my neighbour
+    closed our stream" is true when a hostile neighbour hangs up on purpose and still
+    answers pings. So a teller that has `served` a step of this node's sessions within
+    the window is not charged for reports naming a peer of its route (`vouched`): its
+    word is weighed against its record. A peer that never serves and keeps naming
+    neighbours is still charged every time; a hostile stage cannot get its honest
+    neighbour banned by hanging up on it, as long as that neighbour serves any session
+    (one through another holder of the hostile stage's range, say).
     """
 
     def __init__(self, limit: int = 3, window_s: float = 600.0, max_tellers: int = 4096) -> None:
@@ -152,6 +162,22 @@ class FalseReports:
         self.window_s = window_s
         self._max_tellers = max_tellers  # a bound on what throwaway peer ids can fill
         self._charged: dict[str, deque[float]] = {}
+        self._served: dict[str, float] = {}  # peer -> when it last served a step
+
+    def served(self, peers: Iterable[str], now: float | None = None) -> None:
+        """These peers just carried a step of one of this node's sessions."""
+        now = time.monotonic() if now is None else now
+        for peer in peers:
+            self._served.pop(peer, None)
+            self._served[peer] = now  # re-inserted: the oldest stays first, to be evicted
+        while len(self._served) > self._max_tellers:
+            self._served.pop(next(iter(self._served)))
+
+    def vouched(self, teller: str, now: float | None = None) -> bool:
+        """True when `teller` served a step within the window."""
+        now = time.monotonic() if now is None else now
+        when = self._served.get(teller)
+        return when is not None and when > now - self.window_s
 
     def add(self, teller: str, now: float | None = None) -> bool:
         """Charge `teller` with one false report; True: ban it now."""

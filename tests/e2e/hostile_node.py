@@ -5,13 +5,17 @@ or blames an honest neighbour.
 
 MODE: `shape` (one column short), `dtype` (labelled float64) or `nan` (every value NaN);
 `blame`: its stage answers every session's first step with a `fail` report naming its
-next stage (the previous one when it is the last) as lost, and computes nothing.
+next stage (the previous one when it is the last) as lost, and computes nothing;
+`hangup`: at every session's first step its stage closes the stream to its next stage
+and stays silent to the previous one, so the only report is the next stage's (true)
+one that it hung up, while it still answers pings.
 It also claims a huge throughput in its DHT record, so route planning prefers it to the
 honest holders of the same layers. The fault lives here, in the tests, not in swarmd.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import sys
 from typing import Any
@@ -19,11 +23,12 @@ from typing import Any
 import torch
 
 from swarmd.cli import app
+from swarmd.errors import PeerError
 from swarmd.pipeline import wire
 from swarmd.pipeline.coordinator import Coordinator
 from swarmd.pipeline.stage_service import Link, StageService
 
-MODES = ("shape", "dtype", "nan", "blame")
+MODES = ("shape", "dtype", "nan", "blame", "hangup")
 
 
 def blame() -> None:
@@ -32,6 +37,17 @@ def blame() -> None:
         victim = req.route[req.hop - 1].peer_id if req.is_last else req.next_peer
         why = f"stage {victim[-8:]} lost: connection reset"
         await up.send(wire.fail_frame(victim, why, "lost"))
+
+    StageService._forward = forward  # type: ignore[method-assign]
+    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
+
+
+def hang_up() -> None:
+    async def forward(self: StageService, up: Link, down: Link, req: wire.OpenRequest) -> None:
+        await up.recv(self.timeouts.idle_s)  # the first step: never passed on
+        await down.close()
+        with contextlib.suppress(PeerError):  # until the coordinator gives up the session
+            await up.recv(self.timeouts.idle_s)
 
     StageService._forward = forward  # type: ignore[method-assign]
     Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
@@ -70,6 +86,8 @@ if __name__ == "__main__":
         sys.exit(f"usage: hostile_node.py {'|'.join(MODES)} run [options]")
     if sys.argv[1] == "blame":
         blame()
+    elif sys.argv[1] == "hangup":
+        hang_up()
     else:
         corrupt(sys.argv[1])
     sys.argv = ["swarmd", *sys.argv[2:]]

@@ -75,6 +75,18 @@ class Swarm:
 
         assert wait_until(seen, timeout_s, 0.5), f"{coordinator} never saw {count} holders"
 
+    def wait_rtts(self, coordinator: str, names: list[str], timeout_s: float = 60.0) -> None:
+        """Until the coordinator has a round trip for each named node (unmeasured peers
+        cost the planner's default RTT, which would decide the plans instead)."""
+        node = self.nodes[coordinator]
+        ids = {str(self.nodes[name].health()["peer_id"]) for name in names}
+
+        def measured() -> bool:
+            rows = node.get_json("/api/peers")["peers"]  # type: ignore[index]
+            return ids <= {r["peer_id"] for r in rows if r["rtt_ms"] is not None}
+
+        assert wait_until(measured, timeout_s, 0.5), f"{coordinator} never pinged {names}"
+
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
@@ -321,13 +333,14 @@ def test_a_hostile_stage_is_banned_and_routed_around(
             ]
         )
         swarm.wait_holders("a", 4)
+        swarm.wait_rtts("a", ["h", "b2", "c"])
         hostile = swarm.short_id("h")
         body = chat_body("Tell me about the sea.", 12)
         body["model"] = tiny_reference.model_id
         reference, _ = complete(tiny_reference, body)
         # The planner prefers h for its claimed throughput, but measured RTTs count too:
-        # on a loaded machine the honest b2 may win a first plan. Every reply must be
-        # right; the first one planned through h must have routed around it.
+        # while a's pings of h have all met a stall, the honest b2 may win a plan. Every
+        # reply must be right; the first one planned through h must have routed around it.
         for _attempt in range(10):
             reply, _ = complete(swarm["a"], body)
             assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]

@@ -133,6 +133,40 @@ def test_lies_about_peers_off_the_route_are_charged_too() -> None:
     asyncio.run(requests())
 
 
+def test_a_neighbour_that_hangs_up_cannot_get_a_serving_teller_banned() -> None:
+    """A hostile stage closes its stream to HONEST and still answers pings: HONEST's true
+    report ("LIAR closed our stream") reads as disproved. Once HONEST has served a step
+    (around the hang-up, through FIRST2) it is never charged for such reports."""
+    swarm = FakeSwarm()
+    ledger = FalseReports()
+
+    async def requests() -> None:
+        for n in range(1, 7):
+            chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100, ledger)
+            told = UnconfirmedReportError("LIAR closed the stream", LIAR, "lost", HONEST, True)
+            await chain._fail_over(told)
+            assert chain.route.peers == (FIRST2, HONEST, LAST), n  # around the hang-up
+            assert swarm.bans == [], n
+            ledger.served(chain.route.peers)  # the replayed ring carries a step
+        assert ledger.count(HONEST) == 1  # the first request only, before it had served
+
+    asyncio.run(requests())
+
+
+def test_a_teller_that_serves_is_still_charged_for_naming_a_peer_off_the_route() -> None:
+    swarm = FakeSwarm()
+    ledger = FalseReports()
+    ledger.served([LIAR])
+
+    async def requests() -> None:
+        for _ in range(3):
+            chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100, ledger)
+            await chain._fail_over(UnconfirmedReportError("x lost", None, "lost", LIAR, True))
+        assert swarm.banned() == {LIAR}  # a lie whatever its teller's record
+
+    asyncio.run(requests())
+
+
 def test_a_bad_frame_report_a_ping_cannot_disprove_never_charges_its_teller() -> None:
     """The named peer may feed garbage to its neighbour alone and answer this node: the
     neighbour (which bans it itself) must not be the one banned for telling."""

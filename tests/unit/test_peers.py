@@ -12,22 +12,38 @@ from swarmd.net.peers import BanPolicy, PeerRow, PeerTable
 T0 = 1_700_000_000.0
 
 
-def test_first_sample_is_taken_then_ewma() -> None:
-    table = PeerTable(rtt_alpha=0.5)
+def test_rtt_is_the_lowest_of_the_window() -> None:
+    table = PeerTable(rtt_window=3)
+    assert table.get("b") is None
     table.record_rtt("b", 10.0, T0)
     assert table.get("b").rtt_ms == 10.0
     table.record_rtt("b", 20.0, T0 + 1)
-    assert table.get("b").rtt_ms == pytest.approx(15.0)
+    assert table.get("b").rtt_ms == 10.0
     table.record_rtt("b", 15.0, T0 + 2)
-    assert table.get("b").rtt_ms == pytest.approx(15.0)
+    assert table.get("b").rtt_ms == 10.0
+    table.record_rtt("b", 30.0, T0 + 3)  # 10 leaves the window
+    assert table.get("b").rtt_ms == 15.0
 
 
-def test_default_rtt_alpha_smooths_an_outlier() -> None:
+def test_a_stall_at_connect_is_forgotten_at_the_next_good_ping() -> None:
     table = PeerTable()
-    for i in range(20):
+    table.record_rtt("p", 400.0, T0)  # answered while the peer was still loading
+    table.record_rtt("p", 2.0, T0 + 5)
+    assert table.get("p").rtt_ms == 2.0
+    for i in range(3):
+        table.record_rtt("p", 900.0, T0 + 10 + i)  # a busy spell
+    assert table.get("p").rtt_ms == 2.0
+
+
+def test_a_path_that_got_slower_is_followed_once_its_window_passes() -> None:
+    table = PeerTable()
+    for i in range(8):
         table.record_rtt("p", 2.0, T0 + i)
-    table.record_rtt("p", 1002.0, T0 + 20)
-    assert table.get("p").rtt_ms == pytest.approx(2.0 + 1000.0 * 0.125)
+    for i in range(7):
+        table.record_rtt("p", 80.0, T0 + 10 + i)
+    assert table.get("p").rtt_ms == 2.0
+    table.record_rtt("p", 80.0, T0 + 20)
+    assert table.get("p").rtt_ms == 80.0
 
 
 def test_throughput_ewma_in_bytes_per_second() -> None:
@@ -62,7 +78,13 @@ def test_non_numbers_are_refused() -> None:
 @pytest.mark.parametrize("alpha", [0.0, -0.1, 1.5])
 def test_bad_alpha_is_refused(alpha: float) -> None:
     with pytest.raises(ValueError):
-        PeerTable(rtt_alpha=alpha)
+        PeerTable(throughput_alpha=alpha)
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_an_empty_rtt_window_is_refused(window: int) -> None:
+    with pytest.raises(ValueError):
+        PeerTable(rtt_window=window)
 
 
 def test_seen_never_goes_backwards() -> None:

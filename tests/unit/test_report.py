@@ -291,3 +291,24 @@ def test_the_ledger_holds_a_bounded_number_of_tellers() -> None:
         ledger.add(f"throwaway-{i}", now=float(i))
     assert sum(ledger.count(f"throwaway-{i}", now=10.0) for i in range(10)) == 3
     assert ledger.count("throwaway-9", now=10.0) == 1  # the newest are kept
+
+
+def test_a_peer_that_served_is_vouched_for_within_the_window() -> None:
+    ledger = FalseReports()
+    assert ledger.vouched("p", now=0.0) is False
+    ledger.served(["p", "q"], now=10.0)
+    assert ledger.vouched("p", now=609.0) and ledger.vouched("q", now=609.0)
+    assert ledger.vouched("p", now=610.0) is False  # 600 s since it last served
+    ledger.served(["p"], now=605.0)
+    assert ledger.vouched("p", now=1000.0) and not ledger.vouched("q", now=1000.0)
+
+
+def test_the_served_ledger_is_bounded_and_keeps_the_latest() -> None:
+    ledger = FalseReports(max_tellers=3)
+    ledger.served(["old"], now=0.0)
+    ledger.served([f"throwaway-{i}" for i in range(3)], now=1.0)
+    assert not ledger.vouched("old", now=2.0)
+    assert all(ledger.vouched(f"throwaway-{i}", now=2.0) for i in range(3))
+    ledger.served(["throwaway-0"], now=3.0)  # served again: now the newest
+    ledger.served(["new"], now=4.0)
+    assert ledger.vouched("throwaway-0", now=5.0) and not ledger.vouched("throwaway-1", now=5.0)
