@@ -106,6 +106,7 @@ class Node:
             config.max_sessions + config.max_remote_sessions,  # peers never take ours
             on_step=self.metrics.stage_forward.observe,
             prefix_tokens=self.kv_budget.total // 8 if prefix < 0 else prefix,
+            constraints=model.constraint,
         )
         self.torch_threads = config.torch_threads or physical_cores()
         self.worker = TorchWorker(self.runtime, self.torch_threads)

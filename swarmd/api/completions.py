@@ -14,6 +14,7 @@ from aiohttp import web
 
 from swarmd.api import keys
 from swarmd.api.errors import classify
+from swarmd.api.logprobs import LogprobsWriter, Pairs
 from swarmd.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +30,7 @@ from swarmd.errors import (
     SwarmError,
 )
 from swarmd.model.loader import LoadedModel
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import SamplingParams, random_seed
 from swarmd.pipeline.coordinator import Coordinator
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, ms
@@ -47,6 +48,7 @@ class _Reply:
     created: int
     include_usage: bool
     return_token_ids: bool
+    logprobs: LogprobsWriter | None  # when the request asked for logprobs
 
     @property
     def object_name(self) -> str:
@@ -56,21 +58,35 @@ class _Reply:
     def chunk_name(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
-    def choice(self, text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+    def choice(
+        self, text: str | None, finish: str | None, first: bool = False, pairs: Pairs = ()
+    ) -> dict[str, Any]:
+        logprobs = self._logprobs(pairs)
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    def whole_choice(self, text: str, finish: str | None) -> dict[str, Any]:
+    def whole_choice(self, text: str, finish: str | None, pairs: Pairs) -> dict[str, Any]:
         if self.kind == "text":
-            return self.choice(text, finish)
+            return self.choice(text, finish, pairs=pairs)
         message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {
+            "index": 0,
+            "message": message,
+            "logprobs": self._logprobs(pairs),
+            "finish_reason": finish,
+        }
+
+    def _logprobs(self, pairs: Pairs) -> dict[str, Any] | None:
+        """OpenAI sends null where no logprobs were asked for, and on chunks with no token."""
+        if self.logprobs is None or not pairs:
+            return None
+        return self.logprobs.format(pairs)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -178,7 +194,10 @@ def _sampling(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=req.logit_bias_ids(model.stage.vocab_size),
-        seed=req.seed,
+        # A seed for every reply, so that a failover draws what the lost stage would have.
+        seed=random_seed() if req.seed is None else req.seed,
+        top_logprobs=req.wants_logprobs(),
+        grammar=req.grammar(),
     )
 
 
@@ -187,7 +206,8 @@ def _chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
         raise InvalidRequestError(
             f"Model '{model.model_id}' has no chat template; use /v1/completions", "model"
         )
-    return model.codec.chat_prompt([m.to_chat() for m in req.messages])
+    variables = req.template_variables(model.codec.chat_template or "")
+    return model.codec.chat_prompt([m.to_chat() for m in req.messages], variables)
 
 
 def _text_prompt(req: CompletionRequest, model: LoadedModel) -> list[int]:
@@ -234,6 +254,9 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             prompt_ids = await asyncio.to_thread(_text_prompt, req, model)
             param = "prompt"
+        grammar = req.grammar()
+        if grammar is not None:  # a 400 here, before any stage is asked to compile it
+            await asyncio.to_thread(model.constraint, grammar)
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
         room = coordinator.kv_budget.total - len(prompt_ids)
         if req.token_limit() is None and model.is_whole and room >= 1:
@@ -257,6 +280,9 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         created=int(time.time()),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         return_token_ids=req.return_token_ids,
+        logprobs=(
+            None if req.wants_logprobs() is None else LogprobsWriter(kind, model.codec.token_bytes)
+        ),
     )
     if req.stream:
         return await _stream(request, gen_request, timing, reply)
@@ -295,8 +321,10 @@ async def _whole(
 ) -> web.Response:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     async with coordinator.generation(gen_request, timing, lambda: _client_gone(request)) as gen:
-        text = "".join([event.text async for event in gen.events()])
-        choice = reply.whole_choice(text, gen.finish_reason)
+        events = [event async for event in gen.events()]
+        text = "".join(event.text for event in events)
+        pairs = [pair for event in events for pair in event.logprobs]
+        choice = reply.whole_choice(text, gen.finish_reason, pairs)
         body: dict[str, Any] = {
             "id": reply.reply_id,
             "object": reply.object_name,
@@ -369,7 +397,7 @@ async def _write_events(response: web.StreamResponse, gen: Generation, reply: _R
         reply.chunk([reply.choice("" if reply.kind == "chat" else None, None, first=True)], **extra)
     )
     async for event in gen.events():
-        await response.write(reply.chunk([reply.choice(event.text, None)]))
+        await response.write(reply.chunk([reply.choice(event.text, None, pairs=event.logprobs)]))
     finish = reply.choice(None if reply.kind == "chat" else "", gen.finish_reason)
     if reply.return_token_ids:
         finish["token_ids"] = list(gen.tokens)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmd.errors import InvalidRequestError, UnsupportedError
+from swarmd.model.grammar import GrammarSpec
+from swarmd.model.sampling import MAX_TOP_LOGPROBS
 from swarmd.model.text import ChatMessage
 from swarmd.pipeline import bounds
 
@@ -72,6 +74,43 @@ class Message(BaseModel):
         return ChatMessage("system" if self.role == "developer" else self.role, text)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is enforced either way (constrained decoding)
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        """The reply's grammar: None for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object", "")
+        if self.json_schema is None:
+            raise InvalidRequestError(
+                "response_format of type 'json_schema' needs 'json_schema'",
+                "response_format.json_schema",
+            )
+        schema = self.json_schema.schema_
+        if schema is None:  # a name alone: any JSON object
+            return GrammarSpec("json_object", "")
+        return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, values of 512.
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+    Field(max_length=16),
+]
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -103,9 +142,12 @@ class SamplingFields(BaseModel):
     logit_bias: Annotated[dict[str, BiasValue], Field(max_length=bounds.MAX_LOGIT_BIAS)] | None = (
         None
     )
-    user: str | None = None
+    user: str | None = None  # accepted; a node keeps no per-user state
+    # Accepted and without effect here: nothing is stored, there are no tiers.
+    store: bool | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     n: int | None = None
-    logprobs: Any = None
     return_token_ids: bool = False  # vLLM's extension: token ids in the reply
 
     def stop_list(self) -> list[str]:
@@ -116,8 +158,6 @@ class SamplingFields(BaseModel):
     def check_supported(self) -> None:
         if self.n not in (None, bounds.N_MAX):
             raise UnsupportedError(f"Only n={bounds.N_MAX} is supported", "n")
-        if self.logprobs not in (None, False, 0):
-            raise UnsupportedError("logprobs are not supported", "logprobs")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -135,16 +175,23 @@ class SamplingFields(BaseModel):
         return bias
 
 
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
+    # The template's thinking switch where it has one (Qwen3's enable_thinking).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -156,15 +203,13 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"Tool and function calling is not supported ({name})", name)
-        for name in ("top_logprobs", "audio", "prediction"):
+        for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"'{name}' is not supported", name)
         if self.modalities not in (None, ["text"]):
             raise UnsupportedError("Only the text modality is supported", "modalities")
-        if self.response_format not in (None, {"type": "text"}):
-            raise UnsupportedError(
-                "Only response_format {'type': 'text'} is supported", "response_format"
-            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise InvalidRequestError(
                 "Give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
@@ -172,6 +217,29 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def wants_logprobs(self) -> int | None:
+        """How many top logprobs per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None if self.response_format is None else self.response_format.grammar()
+
+    def template_variables(self, template: str) -> dict[str, Any]:
+        """`chat_template_kwargs`, and `reasoning_effort` as the template's own switch."""
+        variables = dict(self.chat_template_kwargs or {})
+        for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
+            if reserved in variables:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs cannot set '{reserved}'", "chat_template_kwargs"
+                )
+        effort = self.reasoning_effort
+        if effort is not None:
+            if "enable_thinking" in template:
+                variables.setdefault("enable_thinking", effort not in ("none", "minimal"))
+            if "reasoning_effort" in template:
+                variables.setdefault("reasoning_effort", effort)
+        return variables
 
 
 class CompletionRequest(SamplingFields):
@@ -183,6 +251,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: TopLogprobs | None = None  # the legacy form: how many top logprobs
+
+    def wants_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def grammar(self) -> GrammarSpec | None:
+        return None
 
     def check_supported(self) -> None:
         super().check_supported()

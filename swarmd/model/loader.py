@@ -11,6 +11,7 @@ Two backends run a stage:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from swarmd.dtypes import (
     weights_label,
 )
 from swarmd.errors import ConfigError, ModelLoadError
+from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_grammar
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
 from swarmd.model.runtime import Stage, trial_forward
@@ -74,6 +76,16 @@ class LoadedModel:
     @property
     def is_whole(self) -> bool:
         return self.layers == LayerRange(0, self.num_layers)
+
+    @functools.cached_property
+    def grammar_vocabulary(self) -> Vocabulary:
+        """The tokenizer as the grammar library sees it; built on first use (about 1 s),
+        by the first request with a grammar."""
+        return Vocabulary(self.codec.tokenizer, self.vocab_size, self.codec.eos_ids)
+
+    def constraint(self, spec: GrammarSpec) -> Constraint:
+        """A fresh state of `spec` for one reply (compiled once, then cached)."""
+        return Constraint(compile_grammar(spec, self.grammar_vocabulary))
 
 
 def cpu_capability() -> str:

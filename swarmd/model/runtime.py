@@ -15,9 +15,10 @@ from typing import Any, Protocol
 import torch
 
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError, SwarmError
+from swarmd.model.grammar import GrammarSpec
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
-from swarmd.model.sampling import Sampler, SamplingParams
+from swarmd.model.sampling import Constraint, Sampled, Sampler, SamplingParams, TokenLogprobs
 
 
 class Stage(Protocol):
@@ -94,6 +95,7 @@ class StepResult:
     hidden: torch.Tensor | None  # [1, T, H] for the next stage, when this is not the last
     token: int | None  # the sampled token, when the last stage was asked for one
     compute_s: float
+    logprobs: TokenLogprobs | None = None  # the token's, when its session asked for them
 
 
 MIN_PREFIX_TOKENS = 16  # a shorter shared start is not worth keeping a cache for
@@ -117,10 +119,14 @@ class StageRuntime:
         max_sessions: int,
         on_step: Callable[[float], None] | None = None,
         prefix_tokens: int = 0,
+        constraints: Callable[[GrammarSpec], Constraint] | None = None,
     ) -> None:
         """`on_step(seconds)`: told the time of every forward pass (metrics);
-        `prefix_tokens`: how many tokens of finished conversations to keep for reuse."""
+        `prefix_tokens`: how many tokens of finished conversations to keep for reuse;
+        `constraints`: a grammar's fresh state for a session's reply (None: this runtime
+        refuses grammars)."""
         self.stage = stage
+        self._constraints = constraints
         self.prefix_tokens = prefix_tokens
         self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()  # oldest first
         self.prefix_hits = 0
@@ -171,7 +177,12 @@ class StageRuntime:
         module = self._view(layers)
         sampler = None
         if module.is_last and sampling is not None:
-            sampler = Sampler(sampling, module.vocab_size)
+            constraint = None
+            if sampling.grammar is not None:
+                if self._constraints is None:
+                    raise InternalError("this stage has no tokenizer for a grammar")
+                constraint = self._constraints(sampling.grammar)
+            sampler = Sampler(sampling, module.vocab_size, constraint)
             for token in history or []:
                 sampler.observe(token)
         reused, cache = self._adopt(module, prompt, max_length)
@@ -260,15 +271,15 @@ class StageRuntime:
         module = group[0][1].module
         started = time.perf_counter()
         outs = module.forward_many([Row(req.inputs, s.cache, req.alone) for _, s, req in group])
-        sampled: list[tuple[int, torch.Tensor, int | None]] = []
+        sampled: list[tuple[int, torch.Tensor, Sampled | None]] = []
         for (i, session, req), out in zip(group, outs, strict=True):
             session.length += int(req.inputs.shape[1])  # the cache holds them now
             if session.tokens is not None:
                 session.tokens.extend(req.inputs[0].tolist())
-            token = None
+            drawn = None
             if module.is_last and req.want_token and session.sampler is not None:
-                token = session.sampler.sample(out[0])
-            sampled.append((i, out, token))
+                drawn = session.sampler.draw(out[0])
+            sampled.append((i, out, drawn))
         elapsed = time.perf_counter() - started
         if self._on_step is not None:
             self._on_step(elapsed)
@@ -277,7 +288,16 @@ class StageRuntime:
         self.last_batch = len(group)
         hidden = not module.is_last
         return [
-            (i, StepResult(out if hidden else None, token, elapsed)) for i, out, token in sampled
+            (
+                i,
+                StepResult(
+                    out if hidden else None,
+                    None if drawn is None else drawn.token,
+                    elapsed,
+                    None if drawn is None else drawn.logprobs,
+                ),
+            )
+            for i, out, drawn in sampled
         ]
 
     def warm_up(self) -> None:

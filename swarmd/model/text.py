@@ -8,6 +8,7 @@ of a node's memory.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer
 
 from swarmd.errors import InvalidRequestError, ModelLoadError
 from swarmd.model import chat_template
+from swarmd.model.token_bytes import TokenBytes
 
 _SPECIAL_KEYS = (
     "bos_token",
@@ -74,11 +76,19 @@ class TextCodec:
             bool(config.get("clean_up_tokenization_spaces", False)),
         )
 
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's bytes (logprobs report them); built on first use."""
+        return TokenBytes(self.tokenizer)
+
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
-    def chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+    def chat_prompt(
+        self, messages: list[ChatMessage], variables: dict[str, Any] | None = None
+    ) -> list[int]:
+        """The prompt's token ids; `variables` reach the template (after its own)."""
         if not self.chat_template:
             raise InvalidRequestError("This model has no chat template", "messages")
         conversation: list[dict[str, Any]] = [
@@ -86,7 +96,7 @@ class TextCodec:
         ]
         try:
             rendered = chat_template.render(
-                self.chat_template, conversation, True, self.special_tokens
+                self.chat_template, conversation, True, {**self.special_tokens, **(variables or {})}
             )
         except jinja2.TemplateError as exc:
             # Templates may refuse a conversation (e.g. roles that do not alternate).

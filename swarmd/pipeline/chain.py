@@ -13,7 +13,7 @@ import torch
 
 from swarmd.errors import InternalError
 from swarmd.model.layers import LayerRange
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.model.worker import CloseJob, OpenJob, StepJob, TorchWorker
 
 
@@ -38,7 +38,9 @@ class StageChain(Protocol):
         """Open the session; how many leading prompt tokens its caches already hold."""
         ...
 
-    async def step(self, token_ids: list[int], want_token: bool) -> int | None: ...
+    async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
+        """Feed tokens; the next token (and its logprobs, if asked) when `want_token`."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -71,14 +73,14 @@ class LocalChain:
         job = OpenJob(session_id, max_length, sampling, prompt=tuple(prompt))
         return int(await self._worker.run(job, self._timeout_s))
 
-    async def step(self, token_ids: list[int], want_token: bool) -> int | None:
+    async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
         session_id = self._session_id
         if session_id is None:
             raise InternalError("step() before open()")
         inputs = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
         result = await self._worker.run(StepJob(session_id, inputs, want_token), self._timeout_s)
         self._compute_s += result.compute_s
-        return result.token
+        return None if result.token is None else Sampled(result.token, result.logprobs)
 
     async def close(self) -> None:
         session_id, self._session_id = self._session_id, None

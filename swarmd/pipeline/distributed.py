@@ -34,7 +34,7 @@ from swarmd.errors import (
     StageFailedError,
     UnconfirmedReportError,
 )
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import bounds, wire
 from swarmd.pipeline.admission import needs_more_than
@@ -165,7 +165,7 @@ class DistributedChain:
         await self._with_failover(None, False)
         return 0  # prefix reuse is a one-node route's for now: every stage prefills
 
-    async def step(self, token_ids: list[int], want_token: bool) -> int | None:
+    async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
         return await self._with_failover(token_ids, want_token)
 
     async def close(self) -> None:
@@ -181,7 +181,7 @@ class DistributedChain:
 
     # --- the failover loop ---------------------------------------------------------------
 
-    async def _with_failover(self, token_ids: list[int] | None, want: bool) -> int | None:
+    async def _with_failover(self, token_ids: list[int] | None, want: bool) -> Sampled | None:
         while True:
             try:
                 if self._ring is None:
@@ -194,7 +194,7 @@ class DistributedChain:
                     self._vouched = True
                 self._steps.append(list(token_ids))
                 if token is not None:
-                    self._reply.append(token)
+                    self._reply.append(token.token)
                 return token
             except (StageFailedError, BaseExceptionGroup) as caught:
                 exc = first_of(caught, StageFailedError)
@@ -202,7 +202,7 @@ class DistributedChain:
                     raise
                 await self._fail_over(exc)
 
-    async def _step(self, token_ids: list[int], want: bool, alone: bool = False) -> int | None:
+    async def _step(self, token_ids: list[int], want: bool, alone: bool = False) -> Sampled | None:
         ring = self._ring
         if ring is None:
             raise InternalError("no ring")
@@ -210,7 +210,7 @@ class DistributedChain:
         for i, stage_ms in enumerate(reply.stage_ms[: len(self._stage_s)]):
             self._stage_s[i] += stage_ms / 1000.0
         self._activation_bytes += reply.activation_bytes
-        return reply.token
+        return None if reply.token is None else Sampled(reply.token, reply.logprobs)
 
     async def _build_ring(self) -> None:
         """Open a ring on the current route and replay what the last one had been fed."""

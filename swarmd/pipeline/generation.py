@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from swarmd.errors import ClientDisconnectedError, InternalError
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import Sampled, SamplingParams, TokenLogprobs
 from swarmd.model.text import IncrementalDetokenizer, StopMatcher, TextCodec
 from swarmd.pipeline import bounds
 from swarmd.pipeline.chain import StageChain
@@ -33,6 +33,9 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class Delta:
     text: str
+    # The logprobs of the tokens this text completes (when asked): a token whose text is
+    # held back (it may begin a stop string) comes with the delta that releases it.
+    logprobs: tuple[tuple[int, TokenLogprobs], ...] = ()
 
 
 @dataclass
@@ -88,40 +91,45 @@ class Generation:
         self.cached_tokens = await self.chain.open(
             req.request_id, max_length, req.sampling, req.prompt_ids
         )
-        token = await self._prefill()
+        drawn = await self._prefill()
         self.timing.ttft_s = self.timing.since_received()
         first_token_at = last_token_at = time.perf_counter()
+        pending: list[tuple[int, TokenLogprobs]] = []
         while True:
+            token = drawn.token
             self.tokens.append(token)
             if token in self._codec.eos_ids:
                 self.finish_reason = "stop"
                 break
+            if drawn.logprobs is not None:
+                pending.append((token, drawn.logprobs))
             text = stops.feed(detok.add(token))
             if text:
-                yield Delta(text)
+                yield Delta(text, tuple(pending))
+                pending.clear()
             if stops.stopped:
                 self.finish_reason = "stop"
                 break
             if len(self.tokens) >= req.max_tokens:
                 self.finish_reason = "length"
                 break
-            token = await self._decode_one_token(token)
+            drawn = await self._decode_one_token(token)
             now = time.perf_counter()
             self.timing.token_gaps_s.append(now - last_token_at)
             last_token_at = now
         self.timing.decode_s = time.perf_counter() - first_token_at
         tail = "" if stops.stopped else stops.feed(detok.flush()) + stops.flush()
-        if tail:
-            yield Delta(tail)
+        if tail or (pending and not stops.stopped):
+            yield Delta(tail, tuple(pending))
 
     def _stop_if_client_gone(self) -> None:
         # Checked before every step, so a client that left costs at most one more step.
         if self._client_gone():
             raise ClientDisconnectedError("The client closed the connection")
 
-    async def _prefill(self) -> int:
+    async def _prefill(self) -> Sampled:
         prompt = self.request.prompt_ids
-        token: int | None = None
+        token: Sampled | None = None
         # The cached start of the prompt (a previous turn's) is already in the caches.
         for start in range(self.cached_tokens, len(prompt), self._chunk):
             self._stop_if_client_gone()
@@ -131,7 +139,7 @@ class Generation:
             raise InternalError("prefill produced no token")
         return token
 
-    async def _decode_one_token(self, token: int) -> int:
+    async def _decode_one_token(self, token: int) -> Sampled:
         self._stop_if_client_gone()
         nxt = await self.chain.step([token], want_token=True)
         if nxt is None:

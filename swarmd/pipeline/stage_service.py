@@ -410,7 +410,9 @@ class StageService:
                 return
             stage_ms = [*step.stage_ms, result.compute_s * 1000.0]
             if req.is_last:
-                out = wire.token_frame(n, result.token, stage_ms, step.activation_bytes)
+                out = wire.token_frame(
+                    n, result.token, stage_ms, step.activation_bytes, result.logprobs
+                )
             else:
                 out = wire.step_frame(
                     n, step.want, result.hidden, stage_ms, step.activation_bytes, step.alone

@@ -13,7 +13,12 @@ then, downstream, one frame per chunk of tokens:
     step   {"t": "step", "n", "want", "alone", "ids": <int32 bytes>, "ms": [..], "ab"}
     step   {"t": "step", "n", "want", "alone", "h": <bytes>, "dt", "shape": [T, H], "ms", "ab"}
     tok    {"t": "tok", "n", "id", "ms", "ab"}      the last stage's answer (id -1: none)
+    tok    {..., "lp", "top": [[id, lp], ...]}      with logprobs, when the session asked
     end    {"t": "end"}                             the session is over, free it
+
+`sampling` may carry `top_logprobs` (logprobs asked for) and `grammar` ([kind, source]:
+the reply is constrained to it; the last stage compiles it, and rebuilds its state from
+`history` after a failover).
 
 `ms` lists each stage's compute milliseconds for this step so far, `ab` the activation
 bytes sent between stages. A stage that sees something fail sends
@@ -52,8 +57,9 @@ import torch
 
 from swarmd.dtypes import COMPUTE_DTYPES, dtype_name, torch_dtype
 from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
+from swarmd.model.grammar import GRAMMAR_KINDS, MAX_GRAMMAR_BYTES, GrammarSpec
 from swarmd.model.layers import LayerRange
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import IMPOSSIBLE, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 from swarmd.net.safe_text import safe_text
 from swarmd.pipeline import bounds
 from swarmd.untrusted import (
@@ -161,6 +167,7 @@ class TokenReply:
     token: int | None
     stage_ms: tuple[float, ...]
     activation_bytes: int
+    logprobs: TokenLogprobs | None = None
 
 
 # --- the frames, each declared once ------------------------------------------------------
@@ -172,6 +179,7 @@ COUNTER = Int(0, 2**62)  # a step number, a byte count
 ANY_INT = Int()  # any int msgpack carries; what it means is checked after the field pass
 NUMBER = Float()  # any finite number; its bound (a refusal) is checked after
 STAGE_MS = List(Float(0.0, 1e9), MAX_ROUTE_STAGES)
+GRAMMAR_SOURCE = Str(MAX_GRAMMAR_BYTES)  # what the text says is the grammar library's to check
 TOKEN_IDS = Bytes(MAX_STEP_TOKENS, item_size=4, what="int32")
 
 SAMPLING = Schema(
@@ -182,6 +190,14 @@ SAMPLING = Schema(
         # How many entries, and which tokens and values, is what the request asked.
         ("logit_bias", List(Tuple((("token", ANY_INT), ("value", NUMBER))), None)),
         ("seed", Nullable(ANY_INT)),
+    ),
+    (
+        ("top_logprobs", Int(0, MAX_TOP_LOGPROBS)),  # present: logprobs asked for
+        # The reply's grammar: its kind and source; whether it compiles is checked after.
+        (
+            "grammar",
+            Tuple((("kind", Choice(GRAMMAR_KINDS, "grammar kind")), ("source", GRAMMAR_SOURCE))),
+        ),
     ),
 )
 OPEN = Schema(
@@ -237,6 +253,11 @@ TOK = Schema(
         ("ms", STAGE_MS),
         ("ab", COUNTER),
     ),
+    (
+        # The token's logprob and the likeliest tokens' (id, logprob), when asked for.
+        ("lp", Float(IMPOSSIBLE, 0.0)),
+        ("top", List(Tuple((("id", ANY_INT), ("lp", Float(IMPOSSIBLE, 0.0)))), MAX_TOP_LOGPROBS)),
+    ),
 )
 END = Schema("end frame", (("t", Choice(("end",))),))
 _FAIL_COMMON = (
@@ -283,6 +304,8 @@ def open_frame(req: OpenRequest) -> dict[str, Any]:
         frequency_penalty=s.frequency_penalty,
         logit_bias=[[int(k), float(v)] for k, v in s.logit_bias.items()],
         seed=s.seed,
+        **({} if s.top_logprobs is None else {"top_logprobs": s.top_logprobs}),
+        **({} if s.grammar is None else {"grammar": [s.grammar.kind, s.grammar.source]}),
     )
     return _build(
         OPEN,
@@ -328,10 +351,19 @@ def step_frame(
 
 
 def token_frame(
-    n: int, token: int | None, stage_ms: list[float], activation_bytes: int
+    n: int,
+    token: int | None,
+    stage_ms: list[float],
+    activation_bytes: int,
+    logprobs: TokenLogprobs | None = None,
 ) -> dict[str, Any]:
     tok = -1 if token is None else token
-    return _build(TOK, t="tok", n=n, id=tok, ms=stage_ms, ab=activation_bytes)
+    if logprobs is None:
+        return _build(TOK, t="tok", n=n, id=tok, ms=stage_ms, ab=activation_bytes)
+    top = [[i, lp] for i, lp in logprobs.top]
+    return _build(
+        TOK, t="tok", n=n, id=tok, ms=stage_ms, ab=activation_bytes, lp=logprobs.logprob, top=top
+    )
 
 
 def fail_frame(
@@ -485,7 +517,14 @@ def parse_token(frame: dict[str, Any], expected_n: int, vocab_size: int, want: b
         raise MalformedFrameError(f"'id' is not an integer in -1..{vocab_size - 1}")
     if want and token < 0:
         raise MalformedFrameError("no token where one was asked for")
-    return TokenReply(n, token if want else None, tuple(f["ms"]), f["ab"])
+    logprobs = None
+    if ("lp" in f) != ("top" in f):
+        raise MalformedFrameError("'lp' and 'top' come together")
+    if "lp" in f:
+        if not want or any(not 0 <= i < vocab_size for i, _ in f["top"]):
+            raise MalformedFrameError("logprobs of no token, or of a token outside the vocabulary")
+        logprobs = TokenLogprobs(f["lp"], tuple((i, lp) for i, lp in f["top"]))
+    return TokenReply(n, token if want else None, tuple(f["ms"]), f["ab"], logprobs)
 
 
 def parse_fail(frame: dict[str, Any]) -> Fail:
@@ -568,6 +607,8 @@ def _sampling(value: dict[str, Any], vocab_size: int) -> SamplingParams:
         frequency_penalty=numbers["frequency_penalty"],
         logit_bias=_logit_bias(value["logit_bias"], vocab_size),
         seed=seed,
+        top_logprobs=value.get("top_logprobs"),
+        grammar=None if "grammar" not in value else GrammarSpec(*value["grammar"]),
     )
 
 

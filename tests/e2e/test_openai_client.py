@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import statistics
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -221,6 +223,57 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI, embedded_node: N
 
     assert reply(7) == reply(7)
     assert len({reply(s) for s in (1, 2, 3)}) > 1
+
+
+CONTACT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 40},
+        "languages": {
+            "type": "array",
+            "items": {"enum": ["English", "French", "German", "Spanish"]},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["name", "age", "languages"],
+}
+
+
+def test_the_embedded_model_answers_in_json(
+    client: openai.OpenAI, embedded_node: NodeProcess
+) -> None:
+    ask = [{"role": "user", "content": "Invent a contact: name, age, email, languages."}]
+    for temperature in (0.0, 0.8):
+        reply = client.chat.completions.create(
+            model=embedded_node.model_id,
+            messages=ask,  # type: ignore[arg-type]
+            temperature=temperature,
+            seed=5,
+            max_tokens=120,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "contact", "schema": CONTACT, "strict": True},
+            },
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].message.content or ""), CONTACT)
+    loose = client.chat.completions.create(
+        model=embedded_node.model_id,
+        messages=[
+            {
+                "role": "user",
+                "content": "Describe a cat as a JSON object with the keys name, color and age.",
+            }
+        ],
+        temperature=0,
+        max_tokens=150,
+        response_format={"type": "json_object"},
+    )
+    assert loose.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(loose.choices[0].message.content or ""), dict)
 
 
 def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) -> None:

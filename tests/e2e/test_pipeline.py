@@ -257,9 +257,41 @@ def swarm(tmp_path: Path, test_cache_dir: Path, swarm_env: None) -> Iterator[Swa
         made.stop()
 
 
-def test_a_killed_stage_fails_over_to_its_standby(swarm: Swarm, embedded_node: NodeProcess) -> None:
+# A sampled reply under a grammar, with logprobs: the new last stage must draw what the
+# lost route would have (seed and position) from the grammar state rebuilt from the reply.
+SEEDED_JSON: dict[str, Any] = {
+    "temperature": 0.9,
+    "seed": 1234,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "poem",
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "title": {"type": "string", "maxLength": 40},
+                    "lines": {
+                        "type": "array",
+                        "items": {"type": "string", "maxLength": 60},
+                        "minItems": 3,  # long enough to be cut mid-reply
+                        "maxItems": 4,
+                    },
+                },
+                "required": ["title", "lines"],
+            },
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("extra", [{}, SEEDED_JSON], ids=["greedy", "seeded-json"])
+def test_a_killed_stage_fails_over_to_its_standby(
+    swarm: Swarm, embedded_node: NodeProcess, extra: dict[str, Any]
+) -> None:
     prompt = "Write a short poem about the sea."
-    reference = Stream(embedded_node, chat_body(prompt, 100, True))
+    reference = Stream(embedded_node, {**chat_body(prompt, 100, True), **extra})
     list(reference.events())
     swarm.start(
         [("a", "0:10", None), ("b", "10:20", None), ("b2", "10:20", None), ("c", "20:30", None)]
@@ -267,7 +299,7 @@ def test_a_killed_stage_fails_over_to_its_standby(swarm: Swarm, embedded_node: N
     swarm.wait_holders("a", 4)
     by_short = {swarm.short_id(n): n for n in ("b", "b2")}
 
-    stream = Stream(swarm["a"], chat_body(prompt, 100, True))
+    stream = Stream(swarm["a"], {**chat_body(prompt, 100, True), **extra})
     route = stream.headers["x-swarm-nodes"].split(",")
     victim = next(by_short[s] for s in route if s in by_short)
     survivor = "b2" if victim == "b" else "b"
@@ -278,6 +310,8 @@ def test_a_killed_stage_fails_over_to_its_standby(swarm: Swarm, embedded_node: N
     assert stream.done and not stream.errors
     assert stream.text == reference.text
     assert stream.finish_reason == reference.finish_reason
+    if extra:
+        assert set(json.loads(stream.text)) == {"title", "lines"}
     assert stream.swarm is not None
     assert stream.swarm["failovers"] == 1
     assert swarm.short_id(survivor) in stream.swarm["nodes"]

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from swarmd.model.sampling import (
+    IMPOSSIBLE,
     Sampler,
     SamplingParams,
     apply_logit_bias,
     apply_penalties,
+    draw_seed,
     min_p_filter,
     top_k_filter,
     top_p_filter,
@@ -220,6 +222,80 @@ def test_no_seed_gives_different_sequences() -> None:
     first = draws(Sampler(SamplingParams(), 100), FLAT, 50)
     second = draws(Sampler(SamplingParams(), 100), FLAT, 50)
     assert first != second
+
+
+def test_a_draw_depends_on_seed_and_position_only() -> None:
+    """A failover's new last stage is told the reply so far and then draws what the
+    lost one would have; a batch neighbour's draws change nothing."""
+    whole = draws(Sampler(SamplingParams(seed=99), 100), FLAT, 40)
+    rebuilt = Sampler(SamplingParams(seed=99), 100)
+    for token in whole[:25]:
+        rebuilt.observe(token)
+    assert draws(rebuilt, FLAT, 15) == whole[25:]
+    interleaved, other = Sampler(SamplingParams(seed=99), 100), Sampler(SamplingParams(), 100)
+    got = []
+    for _ in range(40):
+        draws(other, FLAT, 1)
+        got.append(interleaved.sample(FLAT))
+    assert got == whole
+
+
+def test_draw_seeds_differ_by_position_and_seed() -> None:
+    seeds = {draw_seed(s, p) for s in (0, 1, -5, 2**64 - 1) for p in range(100)}
+    assert len(seeds) == 400
+    assert all(0 <= x < 2**64 for x in seeds)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_are_those_of_the_distribution_drawn_from(temperature: float) -> None:
+    logits = torch.tensor([3.0, 1.0, 0.5, -2.0, 0.0])
+    params = SamplingParams(temperature=temperature, top_k=3, seed=5, top_logprobs=4)
+    drawn = Sampler(params, 5).draw(logits)
+    assert drawn.logprobs is not None
+    if temperature == 0.0:  # greedy: the distribution at temperature 1, unfiltered
+        expected = torch.log_softmax(logits, dim=-1)
+    else:
+        expected = torch.log_softmax(top_k_filter((logits - 3.0) / temperature, 3), dim=-1)
+    assert drawn.logprobs.logprob == pytest.approx(float(expected[drawn.token]))
+    top = drawn.logprobs.top
+    assert [i for i, _ in top][:3] == [0, 1, 2]
+    assert all(lp <= 0.0 for _, lp in top) and len(top) == 4
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    if temperature > 0.0:  # the 4th is filtered out: impossible, and still a number
+        assert top[3][1] == IMPOSSIBLE
+
+
+def test_no_logprobs_unless_asked() -> None:
+    assert Sampler(SamplingParams(temperature=0.0), 4).draw(BASE).logprobs is None
+    zero = Sampler(SamplingParams(temperature=0.0, top_logprobs=0), 4).draw(BASE).logprobs
+    assert zero is not None and zero.top == () and zero.logprob <= 0.0
+
+
+class _OnlyOdd:
+    """A constraint that allows odd token ids only, and records what it was told."""
+
+    def __init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        out = logits.clone()
+        out[0::2] = float("-inf")
+        return out
+
+    def accept(self, token: int) -> None:
+        assert token % 2 == 1
+        self.accepted.append(token)
+
+
+def test_a_constraint_masks_every_draw_and_is_told_every_token() -> None:
+    constraint = _OnlyOdd()
+    sampler = Sampler(SamplingParams(seed=3), 100, constraint)
+    sampler.observe(7)  # a replayed reply token reaches the grammar too
+    tokens = draws(sampler, FLAT, 30)
+    assert all(t % 2 == 1 for t in tokens)
+    assert constraint.accepted == [7, *tokens]
+    greedy = Sampler(SamplingParams(temperature=0.0), 4, _OnlyOdd())
+    assert greedy.sample(BASE) == 1  # the best odd token, not the best token
 
 
 # --- Sampler: distributions --------------------------------------------------------------

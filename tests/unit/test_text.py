@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from swarmd.model.text import ChatMessage, IncrementalDetokenizer, StopMatcher, TextCodec
+from swarmd.model.token_bytes import byte_level_chars
 
 REPLACEMENT = "\ufffd"
 
@@ -205,26 +206,9 @@ MULTIBYTE_TEXTS = [
 ]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies use."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
-
-
 def byte_token_ids(codec: TextCodec, text: str) -> list[int]:
     """One token per UTF-8 byte: what a model emits when it spells a character bytewise."""
-    table = _bytes_to_unicode()
+    table = byte_level_chars()
     return [token_id(codec, table[b]) for b in text.encode("utf-8")]
 
 

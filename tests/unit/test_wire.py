@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
+from swarmd.model.grammar import MAX_GRAMMAR_BYTES, GrammarSpec
 from swarmd.model.layers import LayerRange
-from swarmd.model.sampling import SamplingParams
+from swarmd.model.sampling import IMPOSSIBLE, SamplingParams, TokenLogprobs
 from swarmd.net.frames import FRAME_HEADER_BYTES, FrameDecoder, encode_frame
 from swarmd.pipeline import wire as stage_wire
 from swarmd.pipeline.wire import (
@@ -96,6 +97,8 @@ def make_request(
             frequency_penalty=-0.25,
             logit_bias={3: -100.0, 17: 2.5, 99: 100.0},
             seed=2**64 - 1,
+            top_logprobs=3,
+            grammar=GrammarSpec("json_schema", '{"type": "object"}'),
         ),
         "history": (5, 0, 99, 42),
     }
@@ -145,6 +148,22 @@ def malformed(call: Callable[[], object], match: str | None = None) -> None:
 
 
 # --- round trips ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_step_keeps_every_field_it_was_built_with(alone: bool) -> None:
+    """A failover's replay attends `alone`: a step that dropped the flag on the way would
+    recompute the reply with other numbers (it did, once, when a field slipped in)."""
+    frame = step_frame(3, True, torch.tensor([[5, 6]]), [1.5], 7, alone)
+    step = parse_step(wire(frame), 3, True, LIMITS, torch.float32)
+    assert (step.n, step.want, step.stage_ms, step.activation_bytes, step.alone) == (
+        3,
+        True,
+        (1.5,),
+        7,
+        alone,
+    )
+    assert step.inputs.tolist() == [[5, 6]]
 
 
 @pytest.mark.parametrize("over_wire", [False, True])
@@ -792,6 +811,8 @@ def test_open_with_sampling_at_its_bounds_is_accepted() -> None:
         frequency_penalty=2.0,
         logit_bias={0: -100.0, VOCAB - 1: 100.0},
         seed=-(2**63),
+        top_logprobs=3,
+        grammar=GrammarSpec("json_schema", '{"type": "object"}'),
     )
     assert all(type(v) is float for v in sampling.logit_bias.values())
     assert type(sampling.temperature) is float
@@ -886,12 +907,70 @@ def built_frames() -> list[tuple[dict[str, Any], Any, Callable[[dict[str, Any]],
         (open_frame(make_request()), w.OPEN, lambda f: parse_open(f, LIMITS)),
         (ids_dict(), w.STEP_IDS, lambda f: parse_step(f, 0, True, LIMITS, torch.float32)),
         (hidden_dict(), w.STEP_HIDDEN, lambda f: parse_step(f, 4, False, LIMITS, torch.float32)),
-        (token_frame(1, 5, [1.0], 0), w.TOK, lambda f: parse_token(f, 1, VOCAB, want=True)),
+        (
+            token_frame(1, 5, [1.0], 0, LOGPROBS),
+            w.TOK,
+            lambda f: parse_token(f, 1, VOCAB, want=True),
+        ),
         (fail_frame(NEXT, "x", "lost"), w.FAIL, parse_fail),
         (fail_frame(NEXT, "x", "refused", 413, "max_tokens"), w.REFUSAL, parse_fail),
         (ret_frame("s"), w.RET, parse_ret),
         (dict(END_FRAME), w.END, frame_type),
     ]
+
+
+LOGPROBS = TokenLogprobs(-0.5, ((5, -0.5), (7, -1.25), (0, IMPOSSIBLE)))
+
+
+def test_logprobs_and_the_grammar_travel_and_are_optional() -> None:
+    reply = parse_token(wire(token_frame(1, 5, [1.0], 0, LOGPROBS)), 1, VOCAB, want=True)
+    assert reply.logprobs == LOGPROBS
+    plain = token_frame(1, 5, [1.0], 0)
+    assert "lp" not in plain and parse_token(wire(plain), 1, VOCAB, want=True).logprobs is None
+    req = parse_open(wire(open_frame(make_request())), LIMITS)
+    assert req.sampling.top_logprobs == 3
+    assert req.sampling.grammar == GrammarSpec("json_schema", '{"type": "object"}')
+    bare = make_request(sampling=SamplingParams(seed=1))
+    sampling = open_frame(bare)["sampling"]
+    assert "grammar" not in sampling and "top_logprobs" not in sampling
+    got = parse_open(wire(open_frame(bare)), LIMITS).sampling
+    assert (got.grammar, got.top_logprobs) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"lp": 0.5},  # a logprob above 0
+        {"lp": math.nan},
+        {"top": [[VOCAB, -1.0]]},  # a token outside the vocabulary
+        {"top": [[1, -1.0]] * 21},  # more than top_logprobs' bound
+        {"top": [[1, "x"]]},
+    ],
+)
+def test_bad_logprobs_are_malformed(change: dict[str, Any]) -> None:
+    frame = {**token_frame(1, 5, [1.0], 0, LOGPROBS), **change}
+    with pytest.raises(MalformedFrameError):
+        parse_token(wire(frame), 1, VOCAB, want=True)
+
+
+def test_logprobs_come_with_a_token_and_with_each_other() -> None:
+    frame = token_frame(1, 5, [1.0], 0, LOGPROBS)
+    for key in ("lp", "top"):
+        with pytest.raises(MalformedFrameError):
+            parse_token({k: v for k, v in frame.items() if k != key}, 1, VOCAB, want=True)
+    with pytest.raises(MalformedFrameError):
+        parse_token({**frame, "id": -1}, 1, VOCAB, want=False)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [["yaml", ""], ["json_schema"], ["json_schema", "x" * (MAX_GRAMMAR_BYTES + 1)], "json_object"],
+)
+def test_a_bad_grammar_is_malformed(grammar: Any) -> None:
+    frame = open_frame(make_request())
+    frame["sampling"] = {**frame["sampling"], "grammar": grammar}
+    with pytest.raises(MalformedFrameError):
+        parse_open(wire(frame), LIMITS)
 
 
 def test_every_builder_emits_exactly_its_declared_keys_and_its_parser_takes_them() -> None:
