@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from aiohttp import web
@@ -29,8 +29,19 @@ from swarmd.errors import (
     KVRoomError,
     SwarmError,
 )
+from swarmd.model.grammar import GrammarSpec, ToolCallFormat
 from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams, random_seed
+from swarmd.model.tool_calls import (
+    StreamEvent,
+    ToolCallStreamer,
+    check_tool_choice,
+    check_tools,
+    detect_family,
+    parse_tool_calls,
+    render_tools_prompt,
+    tool_call_format,
+)
 from swarmd.pipeline.coordinator import Coordinator
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, ms
@@ -49,6 +60,7 @@ class _Reply:
     include_usage: bool
     return_token_ids: bool
     logprobs: LogprobsWriter | None  # when the request asked for logprobs
+    tools: _Tools | None = None  # when the reply may call tools
 
     @property
     def object_name(self) -> str:
@@ -210,6 +222,51 @@ def _chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
     return model.codec.chat_prompt([m.to_chat() for m in req.messages], variables)
 
 
+@dataclass(frozen=True)
+class _Tools:
+    """A request that offers tools: the format calls come in, and what may be called."""
+
+    fmt: ToolCallFormat
+    names: frozenset[str]
+    grammar: GrammarSpec | None  # tool_choice required or named: only calls can come out
+
+
+def _tools_prompt(
+    req: ChatCompletionRequest, model: LoadedModel
+) -> tuple[list[int], _Tools | None]:
+    """The prompt of a conversation with tools (or tool turns); the plan for the reply
+    (None when no tool may be called: `tool_choice: "none"`, or no tools offered)."""
+    codec = model.codec
+    template = codec.chat_template or ""
+    functions = check_tools(req.tools) if req.tools is not None else []
+    names = [f.name for f in functions]
+    mode, named = check_tool_choice(req.tool_choice, names)
+    if mode != "none" and req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequestError(
+            "response_format cannot be combined with tools unless tool_choice is 'none'",
+            "response_format",
+        )
+    family = detect_family(codec.chat_template)
+    variables = req.template_variables(template)
+    prompt = render_tools_prompt(
+        codec.chat_template,
+        [m.openai() for m in req.messages],
+        req.tools if mode != "none" else None,
+        family,
+        {**codec.special_tokens, **variables},
+    )
+    ids = codec.render_prompt(prompt.messages, prompt.tools, variables)
+    if mode == "none":
+        return ids, None
+    parallel = req.parallel_tool_calls is not False and named is None
+    fmt = tool_call_format(family, functions, parallel)
+    grammar = None
+    if mode == "required":
+        chosen = [f for f in functions if named is None or f.name == named]
+        grammar = GrammarSpec.tool_calls(tool_call_format(family, chosen, parallel))
+    return ids, _Tools(fmt, frozenset(names), grammar)
+
+
 def _text_prompt(req: CompletionRequest, model: LoadedModel) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, str):
@@ -248,13 +305,22 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         req.check_supported()
         model = coordinator.resolve(req.model)
         # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
-        if isinstance(req, ChatCompletionRequest):
+        tools: _Tools | None = None
+        if isinstance(req, ChatCompletionRequest) and req.uses_tools():
+            if not model.codec.has_chat_template:
+                raise InvalidRequestError(
+                    f"Model '{model.model_id}' has no chat template; use /v1/completions",
+                    "model",
+                )
+            prompt_ids, tools = await asyncio.to_thread(_tools_prompt, req, model)
+            param = "messages"
+        elif isinstance(req, ChatCompletionRequest):
             prompt_ids = await asyncio.to_thread(_chat_prompt, req, model)
             param = "messages"
         else:
             prompt_ids = await asyncio.to_thread(_text_prompt, req, model)
             param = "prompt"
-        grammar = req.grammar()
+        grammar = tools.grammar if tools is not None and tools.grammar else req.grammar()
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
             await asyncio.to_thread(model.constraint, grammar)
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
@@ -267,7 +333,9 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_id=model.model_id,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=_sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE]),
+            sampling=replace(
+                _sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE]), grammar=grammar
+            ),
             stop=req.stop_list(),
         )
     except Exception as exc:  # every rejected request leaves its DIAG line, bugs included
@@ -283,6 +351,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         logprobs=(
             None if req.wants_logprobs() is None else LogprobsWriter(kind, model.codec.token_bytes)
         ),
+        tools=tools,
     )
     if req.stream:
         return await _stream(request, gen_request, timing, reply)
@@ -325,6 +394,16 @@ async def _whole(
         text = "".join(event.text for event in events)
         pairs = [pair for event in events for pair in event.logprobs]
         choice = reply.whole_choice(text, gen.finish_reason, pairs)
+        if reply.tools is not None:
+            parsed = parse_tool_calls(text, reply.tools.fmt, reply.tools.names)
+            if parsed.calls:
+                choice["message"] = {
+                    "role": "assistant",
+                    "content": parsed.content,
+                    "tool_calls": [call.to_openai() for call in parsed.calls],
+                }
+                if gen.finish_reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
         body: dict[str, Any] = {
             "id": reply.reply_id,
             "object": reply.object_name,
@@ -389,6 +468,39 @@ async def _write_error(response: web.StreamResponse, exc: SwarmError) -> None:
         await response.write(sse("[DONE]"))
 
 
+async def _write_tool_events(
+    response: web.StreamResponse, reply: _Reply, events: list[StreamEvent], pairs: Pairs
+) -> None:
+    """A streamed reply that may call tools: content as content deltas; each call as
+    OpenAI streams it (its first delta names id and function, the next append arguments).
+    A chunk's logprobs go with the first delta written for it."""
+    for event in events:
+        delta: dict[str, Any]
+        if event[0] == "content":
+            delta = {"content": event[1]}
+        elif event[0] == "call_start":
+            _, index, call_id, name = event
+            delta = {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": name, "arguments": ""},
+                    }
+                ]
+            }
+        else:
+            _, index, fragment = event
+            delta = {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
+        choice = reply.choice(None, None, pairs=pairs)
+        choice["delta"] = delta
+        pairs = ()
+        await response.write(reply.chunk([choice]))
+    if pairs and reply.logprobs is not None:  # held text: its logprobs still go out
+        await response.write(reply.chunk([reply.choice(None, None, pairs=pairs)]))
+
+
 async def _write_events(response: web.StreamResponse, gen: Generation, reply: _Reply) -> None:
     extra: dict[str, Any] = {}
     if reply.return_token_ids:
@@ -396,9 +508,19 @@ async def _write_events(response: web.StreamResponse, gen: Generation, reply: _R
     await response.write(
         reply.chunk([reply.choice("" if reply.kind == "chat" else None, None, first=True)], **extra)
     )
+    streamer = None if reply.tools is None else ToolCallStreamer(reply.tools.fmt, reply.tools.names)
     async for event in gen.events():
-        await response.write(reply.chunk([reply.choice(event.text, None, pairs=event.logprobs)]))
-    finish = reply.choice(None if reply.kind == "chat" else "", gen.finish_reason)
+        if streamer is None:
+            choice = reply.choice(event.text, None, pairs=event.logprobs)
+            await response.write(reply.chunk([choice]))
+        else:
+            await _write_tool_events(response, reply, streamer.feed(event.text), event.logprobs)
+    finish_reason: str | None = gen.finish_reason
+    if streamer is not None:
+        await _write_tool_events(response, reply, streamer.flush(), ())
+        if streamer.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+    finish = reply.choice(None if reply.kind == "chat" else "", finish_reason)
     if reply.return_token_ids:
         finish["token_ids"] = list(gen.tokens)
     if reply.include_usage:

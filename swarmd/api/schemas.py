@@ -49,11 +49,44 @@ class ContentPart(BaseModel):
 
 class Message(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only where OpenAI allows it: an assistant turn that made tool calls.
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant; checked by tool_calls.py
+    tool_call_id: str | None = None  # tool
+
+    def openai(self) -> dict[str, Any]:
+        """The turn as an OpenAI-shaped dict (text parts joined), for the tools renderer."""
+        turn: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": None if self.content is None else self.to_chat().content,
+        }
+        if self.tool_calls is not None:
+            turn["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
+        return turn
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
     def check_supported(self, index: int) -> None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise InvalidRequestError(
+                f"Missing required parameter: 'messages[{index}].content'",
+                f"messages[{index}].content",
+            )
+        if self.tool_calls is not None and self.role != "assistant":
+            raise InvalidRequestError(
+                "Only assistant messages carry tool_calls", f"messages[{index}].tool_calls"
+            )
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise InvalidRequestError(
+                "A tool message needs its tool_call_id, and only a tool message has one",
+                f"messages[{index}].tool_call_id",
+            )
         for j, part in enumerate(self.content if isinstance(self.content, list) else []):
             where = f"messages[{index}].content[{j}]"
             if part.type != "text":
@@ -65,11 +98,12 @@ class Message(BaseModel):
                 raise InvalidRequestError(f"Missing required parameter: '{where}.text'", where)
 
     def to_chat(self) -> ChatMessage:
-        text = (
-            self.content
-            if isinstance(self.content, str)
-            else "".join(p.text or "" for p in self.content)
-        )
+        if self.content is None:
+            text = ""
+        elif isinstance(self.content, str):
+            text = self.content
+        else:
+            text = "".join(p.text or "" for p in self.content)
         # Chat templates know no "developer" role; it is OpenAI's new name for system.
         return ChatMessage("system" if self.role == "developer" else self.role, text)
 
@@ -187,11 +221,12 @@ class ChatCompletionRequest(SamplingFields):
     # The template's thinking switch where it has one (Qwen3's enable_thinking).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
-    tools: Any = None
-    tool_choice: Any = None
+    # Checked by swarmd.model.tool_calls (exact parameter paths in its errors).
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -200,9 +235,11 @@ class ChatCompletionRequest(SamplingFields):
         super().check_supported()
         for index, message in enumerate(self.messages):
             message.check_supported(index)
-        for name in ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
-                raise UnsupportedError(f"Tool and function calling is not supported ({name})", name)
+                raise UnsupportedError(
+                    f"'{name}' is the deprecated form; use tools and tool_choice", name
+                )
         for name in ("audio", "prediction"):
             if getattr(self, name) is not None:
                 raise UnsupportedError(f"'{name}' is not supported", name)
@@ -217,6 +254,10 @@ class ChatCompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def uses_tools(self) -> bool:
+        """Tools offered, or tool turns in the history: the tools renderer builds the prompt."""
+        return self.tools is not None or any(m.uses_tools for m in self.messages)
 
     def wants_logprobs(self) -> int | None:
         """How many top logprobs per token (None: no logprobs)."""

@@ -105,12 +105,13 @@ def render(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     variables: dict[str, Any],
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text; jinja2.TemplateError (or SecurityError) when the template refuses."""
     template = compile_template(source)
     return template.render(
         messages=messages,
-        tools=None,
+        tools=tools,
         documents=None,
         add_generation_prompt=add_generation_prompt,
         **variables,

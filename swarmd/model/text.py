@@ -94,9 +94,24 @@ class TextCodec:
         conversation: list[dict[str, Any]] = [
             {"role": m.role, "content": m.content} for m in messages
         ]
+        return self.render_prompt(conversation, None, variables)
+
+    def render_prompt(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        variables: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids from template-shaped messages (and tools)."""
+        if not self.chat_template:
+            raise InvalidRequestError("This model has no chat template", "messages")
         try:
             rendered = chat_template.render(
-                self.chat_template, conversation, True, {**self.special_tokens, **(variables or {})}
+                self.chat_template,
+                conversation,
+                True,
+                {**self.special_tokens, **(variables or {})},
+                tools,
             )
         except jinja2.TemplateError as exc:
             # Templates may refuse a conversation (e.g. roles that do not alternate).

@@ -276,6 +276,61 @@ def test_the_embedded_model_answers_in_json(
     assert isinstance(json.loads(loose.choices[0].message.content or ""), dict)
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_the_embedded_model_calls_a_tool_and_answers_from_its_result(
+    client: openai.OpenAI, embedded_node: NodeProcess
+) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    call_reply = client.chat.completions.create(
+        model=embedded_node.model_id,
+        messages=ask,  # type: ignore[arg-type]
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+    )
+    choice = call_reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"] * len(calls) and calls
+    arguments = json.loads(calls[0].function.arguments)
+    jsonschema.validate(arguments, WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    history = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        *(
+            {"role": "tool", "tool_call_id": c.id, "content": '{"temperature_c": 18}'}
+            for c in calls
+        ),
+    ]
+    answer = client.chat.completions.create(
+        model=embedded_node.model_id,
+        messages=history,  # type: ignore[arg-type]
+        tools=[WEATHER_TOOL],  # type: ignore[list-item]
+        tool_choice="none",
+        temperature=0,
+        max_tokens=40,
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].message.content
+
+
 def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) -> None:
     models = client.models.list()
     ids = [m.id for m in models.data]

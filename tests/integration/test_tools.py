@@ -1,0 +1,155 @@
+"""Tool calls with the official `openai` client against a node in this process on a tiny
+random model: what it calls, and with what, is the constraint's doing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.conftest import NodeFactory
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 10},
+    },
+    "required": ["city", "unit", "days"],
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"],
+}
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+@pytest.fixture
+async def api(make_node: NodeFactory) -> AsyncIterator[openai.AsyncOpenAI]:
+    node = await make_node()
+    base = f"{node.api_url}/v1"
+    async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as client:
+        yield client
+
+
+def ask(**fields: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": ASK, "tools": TOOLS, "max_tokens": 200, **fields}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_required_gives_calls_whose_arguments_validate_then_an_answer(
+    api: openai.AsyncOpenAI, temperature: float
+) -> None:
+    # One call: noise left free to add calls may never stop adding them.
+    reply = await api.chat.completions.create(
+        **ask(tool_choice="required", parallel_tool_calls=False, temperature=temperature, seed=4)
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    history: list[dict[str, Any]] = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [c.model_dump() for c in calls],
+        },
+        *({"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 21}'} for c in calls),
+    ]
+    answer = await api.chat.completions.create(
+        **ask(messages=history, tool_choice="none", temperature=0, max_tokens=8)
+    )
+    assert answer.choices[0].message.tool_calls is None
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_a_named_function_is_the_one_called(api: openai.AsyncOpenAI) -> None:
+    reply = await api.chat.completions.create(
+        **ask(tool_choice={"type": "function", "function": {"name": "get_time"}}, seed=1)
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_time"]  # one call: named means one
+    jsonschema.validate(json.loads(calls[0].function.arguments), TIME)
+
+
+async def test_a_streamed_call_accumulates_to_the_whole_ones_arguments(
+    api: openai.AsyncOpenAI,
+) -> None:
+    asked = ask(tool_choice="required", parallel_tool_calls=False, temperature=0.8, seed=9)
+    whole = await api.chat.completions.create(**asked)
+    want = [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls or []
+    ]
+    stream = await api.chat.completions.create(**asked, stream=True)
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    async for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            if delta.index not in calls:  # the first delta names id and function
+                assert delta.id and delta.function and delta.function.name
+                calls[delta.index] = {"name": delta.function.name, "arguments": ""}
+            else:
+                assert delta.id is None
+            calls[delta.index]["arguments"] += (delta.function and delta.function.arguments) or ""
+    got = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    assert got == want and finish == "tool_calls"
+
+
+async def test_none_never_calls(api: openai.AsyncOpenAI) -> None:
+    for seed in range(3):
+        reply = await api.chat.completions.create(
+            **ask(tool_choice="none", temperature=1.0, seed=seed, max_tokens=30)
+        )
+        assert reply.choices[0].message.tool_calls is None
+        assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "tools[0].function.name",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        (
+            {"messages": [*ASK, {"role": "tool", "content": "x"}]},
+            "messages[1].tool_call_id",
+        ),
+    ],
+)
+async def test_bad_tool_requests_are_400s_naming_the_parameter(
+    api: openai.AsyncOpenAI, change: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.chat.completions.create(**{**ask(), **change})
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param, error
