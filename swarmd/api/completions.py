@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiohttp import web
@@ -196,7 +196,10 @@ def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_p
 
 
 def _sampling(
-    req: SamplingFields, model: LoadedModel, default_temperature: float
+    req: SamplingFields,
+    model: LoadedModel,
+    default_temperature: float,
+    grammar: GrammarSpec | None,
 ) -> SamplingParams:
     return SamplingParams(
         temperature=default_temperature if req.temperature is None else req.temperature,
@@ -209,7 +212,7 @@ def _sampling(
         # A seed for every reply, so that a failover draws what the lost stage would have.
         seed=random_seed() if req.seed is None else req.seed,
         top_logprobs=req.wants_logprobs(),
-        grammar=req.grammar(),
+        grammar=grammar,
     )
 
 
@@ -333,9 +336,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             model_id=model.model_id,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=replace(
-                _sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE]), grammar=grammar
-            ),
+            sampling=_sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE], grammar),
             stop=req.stop_list(),
         )
     except Exception as exc:  # every rejected request leaves its DIAG line, bugs included

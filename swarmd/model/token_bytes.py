@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -41,10 +42,9 @@ def _byte_level_table() -> dict[str, int]:
     return {ch: b for b, ch in byte_level_chars().items()}
 
 
-def _kinds(tokenizer: Tokenizer) -> str:
+def _kind(spec: dict[str, Any]) -> str:
     """'byte_level', 'metaspace' or '' (unknown), from the tokenizer's decoder."""
-    spec = json.loads(tokenizer.to_str()).get("decoder") or {}
-    found = json.dumps(spec)
+    found = json.dumps(spec.get("decoder") or {}, ensure_ascii=False)
     if '"ByteLevel"' in found:
         return "byte_level"
     if '"ByteFallback"' in found or '"Metaspace"' in found or "\u2581" in found:
@@ -57,12 +57,9 @@ class TokenBytes:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
-        self._kind = _kinds(tokenizer)
-        self._special = {
-            int(t["id"])
-            for t in json.loads(tokenizer.to_str()).get("added_tokens", [])
-            if t.get("special")
-        }
+        spec = json.loads(tokenizer.to_str())  # the whole tokenizer.json: read it once
+        self._kind = _kind(spec)
+        self._special = {int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token: int) -> bytes:

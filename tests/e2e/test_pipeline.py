@@ -245,6 +245,27 @@ def test_eight_streams_through_three_stages_each_equal_their_reply_alone(
     assert all("peer banned" not in n.log_text() for n in nodes)
 
 
+def test_structured_replies_at_once_through_three_stages_equal_their_single_node_reply(
+    three_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    """Four sessions at once, each its own grammar (or logprobs) on the last stage."""
+    bodies = [
+        {**chat_body(f"Describe a sea creature number {i}.", 40), **SEEDED_JSON, "seed": i}
+        for i in range(3)
+    ]
+    bodies.append({**chat_body("Name a fish.", 12), "logprobs": True, "top_logprobs": 3})
+    expected = [complete(embedded_node, body)[0] for body in bodies]
+    with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+        got = list(pool.map(lambda b: complete(three_stages["b"], b)[0], bodies))
+    for want, reply in zip(expected, got, strict=True):
+        assert reply["swarm"]["route"] == "distributed"
+        assert reply["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    for reply in got[:3]:  # cut at 40 tokens, but under the schema from the first one
+        assert reply["choices"][0]["message"]["content"].startswith('{"title": "')
+    content = got[3]["choices"][0]["logprobs"]["content"]
+    assert content and all(len(e["top_logprobs"]) == 3 for e in content)
+
+
 # --- failover ---------------------------------------------------------------------------
 
 

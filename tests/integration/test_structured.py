@@ -224,3 +224,47 @@ async def test_the_harmless_fields_are_accepted(api: openai.AsyncOpenAI) -> None
         extra_body={"chat_template_kwargs": {"custom": 1}},
     )
     assert reply.choices[0].message.content is not None
+
+
+async def test_grammars_logprobs_and_tools_at_once_each_get_their_reply_alone(
+    api: openai.AsyncOpenAI,
+) -> None:
+    """Several sessions in one batch, each with its own grammar state (or none), logprobs
+    or tools: each reply is the one it gets alone."""
+    tool = {
+        "type": "function",
+        "function": {"name": "pick", "parameters": SCHEMAS[1]},
+    }
+    bodies: list[dict[str, Any]] = [
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i]},
+            }
+        }
+        for i in range(3)
+    ]
+    bodies += [
+        {"logprobs": True, "top_logprobs": 2},
+        {"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False},
+        {},
+    ]
+
+    async def ask(extra: dict[str, Any]) -> tuple[str | None, str]:
+        reply = await api.chat.completions.create(
+            model="tiny",
+            messages=messages(),  # type: ignore[arg-type]
+            temperature=1.0,
+            seed=21,
+            max_tokens=120,
+            **extra,
+        )
+        message = reply.choices[0].message
+        calls = [c.function.arguments for c in message.tool_calls or []]
+        return message.content, json.dumps(calls)
+
+    alone = [await ask(extra) for extra in bodies]
+    together = await asyncio.gather(*(ask(extra) for extra in bodies))
+    assert list(together) == alone
+    runtime = api.node.runtime  # type: ignore[attr-defined]
+    assert runtime.batched_rows > runtime.batches
