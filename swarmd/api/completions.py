@@ -199,7 +199,7 @@ def _sampling(
     req: SamplingFields,
     model: LoadedModel,
     default_temperature: float,
-    grammar: GrammarSpec | None,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
     return SamplingParams(
         temperature=default_temperature if req.temperature is None else req.temperature,
