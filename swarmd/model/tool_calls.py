@@ -1,72 +1,47 @@
-"""Tool calling, the pure part: which call format a model's chat template speaks, the
-conversation and tools as that template wants them, and the calls found in a reply (whole
-or streamed). The constrained decoding of calls is `grammar.py`'s; the I/O is the API's.
+"""Tool calling, what comes back: the calls in a model's reply and the content around
+them, whole (`parse_tool_calls`) or streamed (`ToolCallStreamer`), in one
+`ToolCallFormat`. Which format a model speaks and what it is offered is `tool_prompt.py`'s;
+the constrained decoding of calls is `grammar.py`'s; the I/O is the API's.
 
-Families (`detect_family`, on the template's text; the first row that matches wins), and
-what a call looks like in each:
+A call that names an unknown function, or whose arguments are not a JSON object, stays in
+the content. Both entry points run the same scanner, so a streamed reply yields exactly
+the calls and content of the whole one, however it is split.
 
-    fallback  no template, a template that never reads `tools` (SmolLM2's), or a tools
-              section in a format not parsed here (Qwen3-Coder's `<function=...>` XML,
-              Mistral's v11 `[TOOL_CALLS]name[ARGS]{...}`, Granite, DeepSeek, ...):
-              as hermes
-    mistral   `[TOOL_CALLS]` or `[AVAILABLE_TOOLS]`:
-              [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]
-    hermes    `<tool_call>` (Qwen2.5, Qwen3, Hermes):
-              <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>
-    llama3    `<|python_tag|>`, "Environment: ipython", or `"parameters"` in a template
-              of Llama 3 headers:
-              {"name": "f", "parameters": {...}}   (opening the reply)
+Arguments, one canonical form (`ToolCall.arguments_json`, and what the `arguments`
+events of a call concatenate to): the arguments object's JSON text as the reply wrote it,
+less the whitespace between tokens, each string and number rewritten as Python's `json`
+writes the value it reads: strings unescaped but for `"`, `\\`, control characters
+(`\\n`, `\\u001b`) and lone surrogates (`\\ud800`); numbers as `int` or `float` write
+themselves (`1E2` -> `100.0`). For an object without repeated keys that is
+`json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)`. Written token
+by token, it can be streamed: a prefix of the reply gives a prefix of the form.
 
-Each family has a `ToolCallFormat` (`tool_call_format`, grammar.py's presets); the
-fallback uses the Hermes one. For the fallback, swarmd writes the tools into the system
-message itself (`fallback_tools_prompt`, text below), turns earlier calls into
-`<tool_call>` blocks and tool results into a user turn of `<tool_response>` blocks, so any
-chat template renders them. The other families get `tools` and the messages in the shape
-their templates read (`render_tools_prompt`).
+When a call is announced (`("call_start", index, id, name)`):
 
-The fallback's system text (`{tools}`: one JSON object per function, one per line):
-
-    # Tools
-
-    You may call one or more functions to help with the user's request. The functions
-    are listed below, one JSON object per line, each with its name, description and
-    parameters (a JSON schema):
-    <tools>
-    {tools}
-    </tools>
-
-    To call a function, reply with its name and arguments as a JSON object inside
-    <tool_call></tool_call> tags, one block per call:
-    <tool_call>
-    {"name": "<function-name>", "arguments": <arguments-as-a-JSON-object>}
-    </tool_call>
-    Each result comes back inside <tool_response></tool_response> tags.
-
-Parsing (`parse_tool_calls`, `ToolCallStreamer`) reads a reply in one family's format; a
-call that names an unknown function, or whose arguments are not a JSON object, stays in
-the content. Both run the same scanner, so a streamed reply yields exactly the calls and
-content of the whole one, however it is split.
+- by default, once the call is whole and valid; its arguments follow in one event. A
+  streamed reply never shows a call the finished reply would not have.
+- `certain=True` (the caller knows constrained decoding makes the reply calls only:
+  tool_choice "required" or a named function): as soon as its name is read and is a
+  known function's; its arguments follow as they are written (held until then, when the
+  model writes them before the name), so a client sees them grow as OpenAI streams them.
+  An announced call stays a call whatever follows: cut short (max_tokens), its arguments
+  are the prefix streamed; broken, the text from the break on is read on as usual.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import re
 import secrets
 import string
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import jinja2
+from swarmd.errors import InternalError
+from swarmd.model.grammar import ToolCallFormat
 
-from swarmd.errors import InternalError, InvalidRequestError
-from swarmd.model.chat_template import compile_template
-from swarmd.model.grammar import MAX_TOOL_FUNCTIONS, ToolCallFormat, ToolFunction
-
-ToolFamily = Literal["hermes", "llama3", "mistral", "fallback"]
-ToolChoiceMode = Literal["auto", "none", "required"]
 # What a streamer yields: content certain not to be part of a call; a call's id and name
 # (its first event); a piece of its arguments' JSON text (the pieces concatenate to it).
 ContentEvent = tuple[Literal["content"], str]
@@ -74,37 +49,19 @@ CallStartEvent = tuple[Literal["call_start"], int, str, str]
 ArgumentsEvent = tuple[Literal["arguments"], int, str]
 StreamEvent = ContentEvent | CallStartEvent | ArgumentsEvent
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
-_READS_TOOLS = re.compile(r"\btools\b")  # `custom_tools` alone does not count
-_UNPARSED = ("<function=", "[ARGS]")  # tools sections in formats we do not parse
+PYTHON_TAG = "<|python_tag|>"  # may open a Llama 3 call (a special token, usually dropped)
 _ID_CHARS = string.ascii_letters + string.digits
 _ID_LENGTH = 24  # call_ + 24 alphanumerics, as OpenAI's ids look
-_MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse any other tool call id
-_PYTHON_TAG = "<|python_tag|>"  # may open a Llama 3 call (a special token, usually dropped)
 _WS = " \t\n\r"  # JSON's whitespace
 _MAX_DEPTH = 64  # nesting of a call's JSON (deeper is not a call)
 _RESCAN_MIN_CHARS = 64  # a held text shorter than this is rescanned on every delta
-_SYSTEM_PROBE = "swarmd-system-probe-7f3a"
-
-FALLBACK_TOOLS_PROMPT = (
-    "# Tools\n\n"
-    "You may call one or more functions to help with the user's request. The functions "
-    "are listed below, one JSON object per line, each with its name, description and "
-    "parameters (a JSON schema):\n"
-    "<tools>\n{tools}\n</tools>\n\n"
-    "To call a function, reply with its name and arguments as a JSON object inside "
-    "<tool_call></tool_call> tags, one block per call:\n"
-    '<tool_call>\n{{"name": "<function-name>", "arguments": <arguments-as-a-JSON-object>}}\n'
-    "</tool_call>\n"
-    "Each result comes back inside <tool_response></tool_response> tags."
-)
 
 
 @dataclass(frozen=True)
 class ToolCall:
     id: str
     name: str
-    arguments_json: str  # compact JSON text of an object, as OpenAI returns it
+    arguments_json: str  # the arguments object's JSON text, in the canonical form
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -120,335 +77,8 @@ class ParsedReply:
     calls: list[ToolCall]
 
 
-@dataclass(frozen=True)
-class ToolPrompt:
-    """What to hand the chat template: `messages`, and `tools` (None: no tools section)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None
-
-
 def new_call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(_ID_LENGTH))
-
-
-def detect_family(template_source: str | None) -> ToolFamily:
-    """The call format a chat template speaks (the table in the module docstring)."""
-    src = template_source or ""
-    if not _READS_TOOLS.search(src) or any(marker in src for marker in _UNPARSED):
-        return "fallback"
-    if "[TOOL_CALLS]" in src or "[AVAILABLE_TOOLS]" in src:
-        return "mistral"
-    if "<tool_call>" in src:
-        return "hermes"
-    if _PYTHON_TAG in src or "Environment: ipython" in src:
-        return "llama3"
-    if '"parameters"' in src and "<|start_header_id|>" in src:
-        return "llama3"
-    return "fallback"
-
-
-def tool_call_format(
-    family: ToolFamily, functions: Iterable[ToolFunction], parallel: bool = True
-) -> ToolCallFormat:
-    """The family's call format, for the grammar and the parser. Llama 3 calls one
-    function at a time whatever `parallel` says (its templates refuse several)."""
-    if family == "llama3":
-        return ToolCallFormat.llama3_json(functions)
-    if family == "mistral":
-        return ToolCallFormat.mistral(functions, parallel)
-    return ToolCallFormat.hermes(functions, parallel)
-
-
-# --- Request checks ---------------------------------------------------------------------
-
-
-def check_tools(tools: object) -> list[ToolFunction]:
-    """The functions of an OpenAI `tools` list; InvalidRequestError naming the exact path
-    (`tools[2].function.name`) of the first fault."""
-    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOL_FUNCTIONS:
-        raise InvalidRequestError(
-            f"Invalid 'tools': expected a list of 1 to {MAX_TOOL_FUNCTIONS} tools", "tools"
-        )
-    seen: dict[str, int] = {}
-    functions = []
-    for i, tool in enumerate(tools):
-        at = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise _invalid(at, "expected an object")
-        if tool.get("type") != "function":
-            raise _invalid(f"{at}.type", "only 'function' tools are supported")
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise _invalid(f"{at}.function", "expected an object")
-        name = function.get("name")
-        if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
-            raise _invalid(
-                f"{at}.function.name", f"expected a string matching {_FUNCTION_NAME.pattern}"
-            )
-        if name in seen:
-            raise _invalid(
-                f"{at}.function.name", f"'{name}' is also the name of tools[{seen[name]}]"
-            )
-        seen[name] = i
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise _invalid(f"{at}.function.description", "expected a string")
-        parameters = function.get("parameters")
-        parameters = {} if parameters is None else parameters
-        if not isinstance(parameters, dict):
-            raise _invalid(f"{at}.function.parameters", "expected a JSON schema object")
-        if parameters.get("type", "object") != "object":
-            raise _invalid(f"{at}.function.parameters", "the arguments must be a JSON object")
-        functions.append(ToolFunction(name, parameters))
-    return functions
-
-
-def check_tool_choice(choice: object, names: Collection[str]) -> tuple[ToolChoiceMode, str | None]:
-    """`tool_choice` as (mode, function name): a named function is ("required", name).
-    Absent: "auto" with tools, "none" without. 400s name `tool_choice`."""
-    if choice is None:
-        return ("auto" if names else "none"), None
-    if choice in ("auto", "none"):
-        return (cast(ToolChoiceMode, choice) if names else "none"), None
-    if choice == "required":
-        if not names:
-            raise InvalidRequestError(
-                "Invalid 'tool_choice': 'required' needs 'tools'", "tool_choice"
-            )
-        return "required", None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str):
-            raise InvalidRequestError(
-                "Invalid 'tool_choice': expected {'type': 'function', 'function': {'name': ...}}",
-                "tool_choice",
-            )
-        if name not in names:
-            raise InvalidRequestError(
-                f"Invalid 'tool_choice': no function named '{name}' in 'tools'", "tool_choice"
-            )
-        return "required", name
-    raise InvalidRequestError(
-        "Invalid 'tool_choice': expected 'auto', 'none', 'required' or a named function",
-        "tool_choice",
-    )
-
-
-def _invalid(param: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(f"Invalid '{param}': {message}", param)
-
-
-# --- The prompt -------------------------------------------------------------------------
-
-
-def render_tools_prompt(
-    template_source: str | None,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    family: ToolFamily,
-    variables: dict[str, Any] | None = None,
-) -> ToolPrompt:
-    """The messages (and tools) to render the chat template with, for `family`.
-
-    `messages` are OpenAI-shaped dicts: assistant turns may carry `tool_calls` (content
-    None), `tool` turns a `tool_call_id`. `tools` were checked by `check_tools`; None or
-    [] renders no tools (tool_choice "none") but still renders the calls in the history.
-
-    Templates with a tools section get each call's arguments as a dict: Qwen2.5's and
-    Llama 3.1's apply `tojson` to them (a string would come out quoted), Qwen3's takes
-    either. Mistral's refuse ids that are not 9 alphanumerics: there every id is mapped
-    to one (the same for a call and its result). Keys other than role, content,
-    tool_calls, tool_call_id are dropped. InvalidRequestError names the message path.
-    `variables` (the special tokens the caller renders with) reach the fallback's probe
-    of whether the template takes a system message.
-    """
-    listed = [_tool_entry(tool) for tool in tools or []]
-    turns = _turns(messages)
-    if family == "fallback":
-        return ToolPrompt(_fallback_turns(template_source, turns, listed, variables or {}), None)
-    if family == "mistral":
-        turns = [_with_short_ids(turn) for turn in turns]
-    return ToolPrompt(turns, [{"type": "function", "function": f} for f in listed] or None)
-
-
-def fallback_tools_prompt(tools: list[dict[str, Any]]) -> str:
-    """The fallback's system text for OpenAI `tools` (checked)."""
-    return _tools_text([_tool_entry(tool) for tool in tools])
-
-
-def _tools_text(entries: list[dict[str, Any]]) -> str:
-    lines = [json.dumps(entry, ensure_ascii=False) for entry in entries]
-    return FALLBACK_TOOLS_PROMPT.format(tools="\n".join(lines))
-
-
-def _tool_entry(tool: dict[str, Any]) -> dict[str, Any]:
-    """{name, description?, parameters?} of an OpenAI tool (unknown keys dropped)."""
-    function = tool["function"]
-    return {k: function[k] for k in ("name", "description", "parameters") if k in function}
-
-
-def _turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    names: dict[str, str] = {}  # call id -> function name, for the tool turns
-    turns: list[dict[str, Any]] = []
-    for i, message in enumerate(messages):
-        at = f"messages[{i}]"
-        role = message.get("role")
-        content = _text(message.get("content"), f"{at}.content")
-        if role == "assistant" and message.get("tool_calls"):
-            calls = _history_calls(message["tool_calls"], f"{at}.tool_calls")
-            names.update((c["id"], c["function"]["name"]) for c in calls)
-            turns.append({"role": "assistant", "content": content, "tool_calls": calls})
-        elif role == "tool":
-            call_id = message.get("tool_call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise _invalid(f"{at}.tool_call_id", "a tool message needs the id of its call")
-            turn = {"role": "tool", "tool_call_id": call_id, "content": content}
-            if call_id in names:
-                turn["name"] = names[call_id]  # some templates print it
-            turns.append(turn)
-        else:
-            turns.append({"role": role, "content": content})
-    return turns
-
-
-def _text(content: object, at: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        return "".join(p["text"] for p in content)
-    raise _invalid(at, "expected a string or a list of text parts")
-
-
-def _history_calls(raw: object, at: str) -> list[dict[str, Any]]:
-    if not isinstance(raw, list):
-        raise _invalid(at, "expected a list")
-    calls = []
-    for j, call in enumerate(raw):
-        here = f"{at}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(call, dict) or not isinstance(function, dict):
-            raise _invalid(here, "expected {'id', 'type': 'function', 'function': {...}}")
-        if not isinstance(call.get("id"), str) or not call["id"]:
-            raise _invalid(f"{here}.id", "expected a string")
-        if not isinstance(function.get("name"), str):
-            raise _invalid(f"{here}.function.name", "expected a string")
-        arguments = function.get("arguments")
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else None
-        except (ValueError, RecursionError):
-            parsed = None
-        if not isinstance(parsed, dict):
-            raise _invalid(f"{here}.function.arguments", "expected the JSON text of an object")
-        calls.append(
-            {
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": function["name"], "arguments": parsed},
-            }
-        )
-    return calls
-
-
-def _with_short_ids(turn: dict[str, Any]) -> dict[str, Any]:
-    if "tool_calls" in turn:
-        calls = [{**c, "id": _short_id(c["id"])} for c in turn["tool_calls"]]
-        return {**turn, "tool_calls": calls}
-    if "tool_call_id" in turn:
-        return {**turn, "tool_call_id": _short_id(turn["tool_call_id"])}
-    return turn
-
-
-def _short_id(call_id: str) -> str:
-    if len(call_id) == _MISTRAL_ID_LENGTH and call_id.isalnum() and call_id.isascii():
-        return call_id
-    return hashlib.sha256(call_id.encode()).hexdigest()[:_MISTRAL_ID_LENGTH]
-
-
-def _fallback_turns(
-    source: str | None,
-    turns: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
-    variables: dict[str, Any],
-) -> list[dict[str, Any]]:
-    """Calls as `<tool_call>` blocks (the Hermes format's exact text: what the grammar
-    makes the model write), each run of tool results as one user turn, the tools text
-    appended to the system message (or put first in the first user turn, for templates
-    that refuse or drop a system message)."""
-    out: list[dict[str, Any]] = []
-    after_tool = False
-    for turn in turns:
-        if turn["role"] == "tool":
-            block = f"<tool_response>\n{turn['content']}\n</tool_response>"
-            if after_tool:
-                out[-1]["content"] += "\n" + block
-            else:
-                out.append({"role": "user", "content": block})
-            after_tool = True
-            continue
-        after_tool = False
-        if "tool_calls" in turn:
-            blocks = [
-                "<tool_call>\n"
-                + json.dumps(
-                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                    ensure_ascii=False,
-                )
-                + "\n</tool_call>"
-                for c in turn["tool_calls"]
-            ]
-            content = turn["content"].strip()
-            out.append(
-                {
-                    "role": "assistant",
-                    "content": "\n".join([content, *blocks] if content else blocks),
-                }
-            )
-        else:
-            out.append(dict(turn))
-    if not tools:
-        return out
-    text = _tools_text(tools)
-    if out and out[0]["role"] == "system":
-        system = out[0]["content"]
-        out[0] = {"role": "system", "content": f"{system}\n\n{text}" if system else text}
-    elif source is None or _takes_system(source, variables):
-        out.insert(0, {"role": "system", "content": text})
-    else:
-        first = next((m for m in out if m["role"] == "user"), None)
-        if first is None:
-            out.insert(0, {"role": "user", "content": text})
-        else:
-            first["content"] = f"{text}\n\n{first['content']}"
-    return out
-
-
-def _takes_system(source: str, variables: dict[str, Any]) -> bool:
-    """Whether the template renders a leading system message (Gemma 2's raise, some drop)."""
-    probe = [
-        {"role": "system", "content": _SYSTEM_PROBE},
-        {"role": "user", "content": "hello"},
-    ]
-    try:
-        rendered = compile_template(source).render(
-            **{"bos_token": "", "eos_token": "", **variables},
-            messages=probe,
-            tools=None,
-            documents=None,
-            add_generation_prompt=True,
-        )
-    except (jinja2.TemplateError, TypeError, ValueError):
-        return False
-    return _SYSTEM_PROBE in rendered
-
-
-# --- Finding calls in a reply -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -461,13 +91,16 @@ class _Syntax:
       decoded without special tokens;
     - bare: `{call}` opening the reply (after an optional `<|python_tag|>`), more calls
       after `;` or whitespace (Llama 3); the first thing that is not a call ends them.
+
+    In a call's object the first `name_key` names the function and the first of
+    `arguments_keys` holds the arguments; other keys are read past.
     """
 
     shape: Literal["wrapped", "listed", "bare"]
     open: str
     close: str
     name_key: str
-    arguments_keys: tuple[str, ...]  # the format's own first; "arguments"/"parameters" too
+    arguments_keys: tuple[str, ...]  # the format's own; "arguments"/"parameters" too
 
     @classmethod
     def of(cls, fmt: ToolCallFormat) -> _Syntax:
@@ -491,10 +124,10 @@ class ToolCallStreamer:
 
     `feed` returns the events the text so far decides: content that cannot be part of a
     call (a possible start of one is held back, as a stop-string matcher holds a prefix;
-    whitespace at either end of the content is dropped), and for each call, once it is
-    whole and valid, `("call_start", index, id, name)` then its arguments. A call is only
-    announced once it is certain, so a streamed reply never shows a call the finished
-    reply would not have. `flush` decides the rest. `calls` and `content` are the reply's.
+    whitespace at either end of the content is dropped), and each call's
+    `("call_start", index, id, name)` then `("arguments", index, piece)` events, when the
+    module docstring says (`certain`). `flush` decides the rest. `calls` and `content`
+    are the reply's (a call enters `calls` once its arguments are all sent).
     """
 
     def __init__(
@@ -502,11 +135,15 @@ class ToolCallStreamer:
         fmt: ToolCallFormat,
         names: Collection[str],
         new_id: Callable[[], str] = new_call_id,
+        certain: bool = False,
     ) -> None:
         self._syntax = _Syntax.of(fmt)
         self._names = frozenset(names)
         self._new_id = new_id
+        self._certain = certain
         self._buf = ""  # the text not decided yet
+        self._reader: _Reader | None = None  # the JSON of the candidate call opening in _buf
+        self._events: list[StreamEvent] = []  # what the current feed yields
         self._at_start = True  # nothing but whitespace decided so far
         self._after_call = False  # bare: the last thing decided was a call
         self._text_only = False  # bare, or listed without a marker: the rest is content
@@ -526,11 +163,13 @@ class ToolCallStreamer:
         if self._done:
             raise InternalError("a tool call streamer was fed after flush")
         self._buf += delta
-        # A long held text is a call in progress; it can only become whole on one of the
-        # trigger characters. Skipping the rescan otherwise (until the text doubles)
-        # keeps the cost linear; a broken call is then found a little later, never missed.
+        # Uncertain, a long held text is a call in progress that is only announced whole,
+        # which can only happen on one of the trigger characters. Skipping the scan
+        # otherwise (until the text doubles) saves its cost per delta; a broken call is
+        # then found a little later, never missed.
         if (
-            self._held >= _RESCAN_MIN_CHARS
+            not self._certain
+            and self._held >= _RESCAN_MIN_CHARS
             and len(self._buf) < 2 * self._held
             and self._triggers.isdisjoint(delta)
         ):
@@ -546,10 +185,12 @@ class ToolCallStreamer:
 
     def _advance(self, final: bool) -> list[StreamEvent]:
         events: list[StreamEvent] = []
+        self._events = events
         while self._buf:
             found = self._step(final)
             if found is None:
                 break
+            self._reader = None  # its text is decided
             n, calls = found
             text, self._buf = self._buf[:n], self._buf[n:]
             if calls is None:
@@ -618,12 +259,13 @@ class ToolCallStreamer:
             return _BROKEN if final else None
         if buf[j] != ("{" if syntax.shape == "wrapped" else "["):
             return _BROKEN
-        state, end = _json_extent(buf, j)
-        if state != "complete":
-            return _BROKEN if final or state == "broken" else None
-        calls = self._calls_in(buf[j:end])
+        reader = self._read(j)
+        if reader.state != "complete":
+            return None if reader.state == "open" and not final else self._cut(reader)
+        calls = self._whole_calls(reader)
         if calls is None:
             return _BROKEN
+        end = reader.pos
         if not syntax.close:
             return end, calls
         m = _skip_ws(buf, end)
@@ -632,7 +274,7 @@ class ToolCallStreamer:
         if syntax.close.startswith(buf[m:]):
             # Cut short by the end of the reply (a stop, the model's EOS): still a call.
             return (len(buf), calls) if final else None
-        return _BROKEN
+        return (end, calls) if self._certain else _BROKEN  # certain: announced already
 
     def _step_bare(self, final: bool) -> _Found | None:
         buf = self._buf
@@ -643,73 +285,87 @@ class ToolCallStreamer:
         if j == len(buf):
             # Trailing separators belong to the calls; leading whitespace is content.
             return None if not final else (j, [] if self._after_call else None)
-        if buf.startswith(_PYTHON_TAG, j):
-            j = _skip_ws(buf, j + len(_PYTHON_TAG))
-        elif _PYTHON_TAG.startswith(buf[j:]) and not final:
+        if buf.startswith(PYTHON_TAG, j):
+            j = _skip_ws(buf, j + len(PYTHON_TAG))
+        elif PYTHON_TAG.startswith(buf[j:]) and not final:
             return None
         if j == len(buf) and not final:
             return None
         if j < len(buf) and buf[j] == "{":
-            state, end = _json_extent(buf, j)
-            if state == "open" and not final:
+            reader = self._read(j)
+            if reader.state == "open" and not final:
                 return None
-            calls = self._calls_in(buf[j:end]) if state == "complete" else None
-            if calls is not None:
+            if reader.state == "complete":
+                calls = self._whole_calls(reader)
+                found = _BROKEN if calls is None else (reader.pos, calls)
+            else:
+                found = self._cut(reader)
+            if found is not _BROKEN:
                 self._after_call = True
-                return end, calls
+                return found
         self._text_only = True
         return len(buf), None
 
-    def _calls_in(self, text: str) -> list[tuple[str, str]] | None:
-        """(name, arguments JSON) of each call in a whole JSON text, or None if any is
-        not a call (ids are drawn only once a call is certain)."""
-        try:
-            value = json.loads(text)
-        except (ValueError, RecursionError):
+    def _read(self, j: int) -> _Reader:
+        """The candidate's JSON (opening at `_buf[j]`) read as far as the text goes; when
+        certain, what of its calls that decides is sent."""
+        if self._reader is None or self._reader.start != j:
+            self._reader = _Reader(self._syntax, self._names, j)
+        self._reader.advance(self._buf)
+        if self._certain:
+            self._release(self._reader, finished=False)
+        return self._reader
+
+    def _whole_calls(self, reader: _Reader) -> list[tuple[str, str]] | None:
+        """A whole candidate's calls to announce, or None if it is not calls. Certain: it
+        is (its calls are all named, else it would have broken), and they are sent."""
+        if not reader.calls:
             return None
-        items = [value] if self._syntax.shape != "listed" else value
-        if not isinstance(items, list) or not items:
-            return None
+        if self._certain:
+            self._release(reader, finished=True)
+            return []
         calls = []
-        for item in items:
-            call = self._call(item)
-            if call is None:
+        for call in reader.calls:
+            if call.name is None or call.args_state != "done" or not call.exact:
                 return None
-            calls.append(call)
+            calls.append((call.name, "".join(call.args)))
         return calls
 
-    def _call(self, item: object) -> tuple[str, str] | None:
-        if not isinstance(item, dict):
-            return None
-        name = item.get(self._syntax.name_key)
-        if not isinstance(name, str) or name not in self._names:
-            return None
-        key = next((k for k in self._syntax.arguments_keys if k in item), None)
-        arguments = item.get(key) if key is not None else None
-        if not isinstance(arguments, dict):
-            return None
-        try:
-            return name, _compact(arguments)
-        except ValueError:  # 1e999 read as inf: not JSON once written back
-            return None
+    def _cut(self, reader: _Reader) -> _Found:
+        """A candidate that broke, or that the end of the reply cut short: not a call,
+        unless (certain) some of its calls were announced: those end where it broke."""
+        at = reader.resume(len(self._buf)) if self._certain else None
+        if at is None:
+            return _BROKEN
+        self._release(reader, finished=True)
+        return at, []
+
+    def _release(self, reader: _Reader, finished: bool) -> None:
+        """Certain: announce each named call once, send what its arguments grew by; a call
+        whose object closed (`finished`: every named one) enters `calls`."""
+        for call in reader.calls:
+            if call.name is None:
+                break
+            if call.id is None:
+                call.id, call.index = self._new_id(), len(self.calls)
+                self._events.append(("call_start", call.index, call.id, call.name))
+            if call.sent < len(call.args):
+                self._events.append(("arguments", call.index, "".join(call.args[call.sent :])))
+                call.sent = len(call.args)
+            if (call.end is not None or finished) and not call.finished:
+                self.calls.append(ToolCall(call.id, call.name, "".join(call.args)))
+                call.finished = True
 
 
-def parse_tool_calls(text: str, fmt: ToolCallFormat, names: Collection[str]) -> ParsedReply:
+def parse_tool_calls(
+    text: str, fmt: ToolCallFormat, names: Collection[str], certain: bool = False
+) -> ParsedReply:
     """The calls in a finished reply and the content around them (see `ToolCallStreamer`,
     which this runs on the whole text)."""
-    streamer = ToolCallStreamer(fmt, names)
+    streamer = ToolCallStreamer(fmt, names, certain=certain)
     streamer.feed(text)
     streamer.flush()
     return ParsedReply(streamer.content, streamer.calls)
-
-
-def _compact(value: dict[str, Any]) -> str:
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    try:
-        text.encode()
-    except UnicodeEncodeError:  # a lone surrogate from a \\ud800 escape: keep it escaped
-        text = json.dumps(value, separators=(",", ":"), allow_nan=False)
-    return text
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -726,74 +382,283 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-# --- JSON extent ------------------------------------------------------------------------
+# --- The JSON of calls, read as it grows ------------------------------------------------
 
-_STRING = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*'  # less its closing quote
 _INT = r"-?(?:0|[1-9][0-9]*)"
-# One whole JSON token. A number must not be followed by what could go on with it, so
-# "1." at the end of the text is a token still being written, not "1" and a stray ".".
+# One whole JSON token, or the quote that opens a string. A number is whole only once
+# something that cannot go on with it follows: "12" may be the start of "123".
 _TOKEN = re.compile(
-    rf"[ \t\n\r]+|{_STRING}\"|{_INT}(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?(?![0-9.eE+-])"
+    rf'[ \t\n\r]+|"|{_INT}(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?(?=[^0-9.eE+-])'
     r"|true|false|null|[{}\[\]:,]"
 )
-# The start of a token that the end of the text cut short.
+# The start of such a token that the end of the text cut short.
 _UNFINISHED = re.compile(
-    rf"{_STRING}(?:\\(?:u[0-9a-fA-F]{{0,3}})?)?|-|{_INT}(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?"
-    r"|t(?:ru?)?|f(?:a(?:ls?)?)?|n(?:ul?)?"
+    rf"-|{_INT}(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?|t(?:ru?)?|f(?:a(?:ls?)?)?|n(?:ul?)?"
 )
 _CLOSERS = {"{": "}", "[": "]"}
+_PLAIN = re.compile(r'[^"\\\x00-\x1f]+')  # a string's characters that stand for themselves
+_ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u([0-9a-fA-F]{4}))')
+_ESCAPE_START = re.compile(r"\\(?:u[0-9a-fA-F]{0,3})?")  # an escape cut short
+_UNESCAPED = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+# What `json.dumps(ensure_ascii=False)` escapes, and lone surrogates (which would not
+# encode as UTF-8): each is written as `json.dumps` (ASCII) writes it.
+_TO_ESCAPE = re.compile(r'[\x00-\x1f"\\\ud800-\udfff]')
+
+_Role = Literal["name", "args", "skip"]  # what the value of a call's key is
 
 
-def _json_extent(text: str, start: int) -> tuple[Literal["open", "broken", "complete"], int]:
-    """Whether the JSON object or array opening at `text[start]` is whole (and where it
-    ends), broken (no text can follow that makes it JSON), or open (it may still be).
+@dataclass(eq=False)
+class _Call:
+    """One call's object, as far as it is read."""
 
-    Strict JSON, as `json.loads` reads it less NaN and Infinity, so a whole one loads."""
-    stack: list[str] = []
-    expect = "value"  # value, first_item, first_key, key, colon, after
-    i = start
-    while i < len(text):
-        m = _TOKEN.match(text, i)
-        if m is None:
-            return ("open" if _UNFINISHED.fullmatch(text, i) else "broken"), i
-        token, i = m.group(), m.end()
-        c = token[0]
+    name: str | None = None  # set once read, and known
+    args: list[str] = field(default_factory=list)  # its arguments so far (canonical), by piece
+    args_state: Literal["none", "reading", "done", "bad"] = "none"  # bad: not an object
+    args_level: int = 0  # the depth of the arguments object
+    exact: bool = True  # every number in the arguments reads back (1e999 does not)
+    end: int | None = None  # just past its `}`, once closed
+    # The streamer's, once it announces the call (certain):
+    id: str | None = None
+    index: int = -1
+    sent: int = 0  # pieces of `args` sent
+    finished: bool = False  # in the streamer's `calls`
+
+
+class _Reader:
+    """The JSON of one call's object (listed: an array of them) opening at `start`, read
+    as the text grows, each character once: tokens checked as `json.loads` reads them
+    (strict, less NaN and Infinity), names checked, arguments written in the canonical
+    form. Never decides on where the text happens to end, so any split reads the same."""
+
+    def __init__(self, syntax: _Syntax, names: frozenset[str], start: int) -> None:
+        self.start = start
+        self.pos = start  # where reading goes on; where the text broke, once broken
+        self.state: Literal["open", "broken", "complete"] = "open"
+        self.calls: list[_Call] = []
+        self._syntax = syntax
+        self._names = names
+        self._level = 2 if syntax.shape == "listed" else 1  # the depth of a call's object
+        self._stack: list[str] = []
+        self._expect = "value"  # value, first_item, first_key, key, colon, after
+        self._role: _Role = "skip"  # of the call's key just read
+        self._in_string = False
+        self._key = False  # the string is a key
+        self._string: Literal["args", "collect", "skip"] = "skip"  # where its text goes
+        self._chars: list[str] = []  # a key or name of the call's, being read
+
+    def advance(self, text: str) -> None:
+        while self.state == "open" and self.pos < len(text):
+            if self._in_string:
+                if not self._read_string(text):
+                    return
+                continue
+            m = _TOKEN.match(text, self.pos)
+            if m is None:
+                if not _UNFINISHED.fullmatch(text, self.pos):
+                    self.state = "broken"
+                return
+            if not self._take(m.group()):
+                self.state = "broken"
+                return
+            self.pos = m.end()
+
+    def resume(self, length: int) -> int | None:
+        """Where the text of the named calls ends (None: none is named): past the last
+        one's object; if the text broke in it, there; if it ended in it, `length`."""
+        named = [call for call in self.calls if call.name is not None]
+        if not named:
+            return None
+        if named[-1].end is not None:
+            return named[-1].end
+        return length if self.state == "open" else self.pos
+
+    def _take(self, token: str) -> bool:
+        """One token in the grammar of JSON; False: no JSON has it here."""
+        c, expect = token[0], self._expect
         if c in _WS:
-            continue
-        if expect in ("value", "first_item"):
-            if c in "{[":
-                stack.append(c)
-                if len(stack) > _MAX_DEPTH:
-                    return "broken", i
-                expect = "first_key" if c == "{" else "first_item"
-                continue
-            if not stack or c in "}:,":
-                return "broken", i  # only an object or array opens
-            if c == "]" and expect != "first_item":
-                return "broken", i
-            if c == "]":
-                stack.pop()
-        elif expect in ("first_key", "key"):
-            if c == '"':
-                expect = "colon"
-                continue
-            if c != "}" or expect != "first_key":
-                return "broken", i
-            stack.pop()
-        elif expect == "colon":
+            return True
+        if expect == "colon":
             if c != ":":
-                return "broken", i
-            expect = "value"
-            continue
-        else:  # after a value in a container
+                return False
+            self._write(c)
+            self._expect = "value"
+            return True
+        if expect in ("first_key", "key"):
+            if c == '"':
+                self._open_string(key=True)
+                return True
+            return c == "}" and expect == "first_key" and self._close(c)
+        if expect == "after":
             if c == ",":
-                expect = "key" if stack[-1] == "{" else "value"
-                continue
-            if c != _CLOSERS[stack[-1]]:
-                return "broken", i
-            stack.pop()
-        # A value just ended.
-        if not stack:
-            return "complete", i
-        expect = "after"
-    return "open", i
+                self._write(c)
+                self._expect = "key" if self._stack[-1] == "{" else "value"
+                return True
+            return c == _CLOSERS[self._stack[-1]] and self._close(c)
+        if c == "]" and expect == "first_item":
+            return self._close(c)
+        return c not in "}],:" and self._value(token)
+
+    def _value(self, token: str) -> bool:
+        """A value opens at `token` (a scalar: is whole)."""
+        c, depth = token[0], len(self._stack)
+        if depth < self._level - 1 and c != "[":
+            return False  # listed: an array of calls
+        if depth == self._level - 1:
+            if c != "{":
+                return False  # a call is an object
+            self.calls.append(_Call())
+        elif depth == self._level:  # the value of one of the call's keys
+            call = self.calls[-1]
+            if self._role == "name" and c != '"':
+                return False
+            if self._role == "args" and c == "{":
+                call.args_state, call.args_level = "reading", depth + 1
+            elif self._role == "args":
+                call.args_state = "bad"
+        if c in "{[":
+            self._write(c)
+            self._stack.append(c)
+            self._expect = "first_key" if c == "{" else "first_item"
+            return len(self._stack) <= _MAX_DEPTH
+        if c == '"':
+            self._open_string(key=False)
+            return True
+        if c in "tfn":
+            self._write(token)
+        else:
+            self._write_number(token)
+        self._ended()
+        return True
+
+    def _close(self, closer: str) -> bool:
+        self._write(closer)
+        self._stack.pop()
+        depth = len(self._stack)
+        call = self.calls[-1] if self.calls else None
+        if call is not None and call.args_state == "reading" and depth < call.args_level:
+            call.args_state = "done"
+        if call is not None and depth == self._level - 1 and closer == "}":
+            if call.name is None:  # the call's object closed, and it named no function
+                return False
+            call.end = self.pos + 1
+        self._ended()
+        return True
+
+    def _ended(self) -> None:
+        """A value just ended."""
+        if self._stack:
+            self._expect = "after"
+        else:
+            self.state = "complete"
+
+    def _open_string(self, key: bool) -> None:
+        call = self.calls[-1]
+        self._in_string, self._key = True, key
+        if call.args_state == "reading":
+            self._string = "args"
+            self._write('"')
+        elif len(self._stack) == self._level and (key or self._role == "name"):
+            self._string = "collect"
+            self._chars = []
+        else:
+            self._string = "skip"
+
+    def _read_string(self, text: str) -> bool:
+        """Reads on in a string; False: wait for more text (or it broke)."""
+        chars, self.pos, state = _scan_string(text, self.pos)
+        if chars and self._string == "args":
+            self._write(_escape(chars))
+        elif chars and self._string == "collect":
+            self._chars.append(chars)
+        if state != "closed":
+            if state == "broken":
+                self.state = "broken"
+            return False
+        self._in_string = False
+        if self._string == "args":
+            self._write('"')
+        if self._key:
+            if self._string == "collect":
+                self._role = self._role_of("".join(self._chars))
+            self._expect = "colon"
+            return True
+        if self._string == "collect":  # the call's name
+            name = "".join(self._chars)
+            if name not in self._names:
+                self.state = "broken"
+                return False
+            self.calls[-1].name = name
+        self._ended()
+        return True
+
+    def _role_of(self, key: str) -> _Role:
+        call = self.calls[-1]
+        if key == self._syntax.name_key and call.name is None:
+            return "name"
+        if key in self._syntax.arguments_keys and call.args_state == "none":
+            return "args"
+        return "skip"
+
+    def _write(self, piece: str) -> None:
+        if self.calls and self.calls[-1].args_state == "reading":
+            self.calls[-1].args.append(piece)
+
+    def _write_number(self, token: str) -> None:
+        if not (self.calls and self.calls[-1].args_state == "reading"):
+            return
+        try:
+            if token.lstrip("-").isdigit():
+                written, exact = str(int(token)), True
+            else:
+                value = float(token)
+                exact = math.isfinite(value)
+                written = repr(value) if exact else token
+        except ValueError:  # more digits than int reads (or writes)
+            written, exact = token, False
+        self.calls[-1].args.append(written)
+        self.calls[-1].exact &= exact
+
+
+def _scan_string(text: str, i: int) -> tuple[str, int, Literal["open", "closed", "broken"]]:
+    """The characters of a JSON string from `text[i]` (inside it), decoded as `json.loads`
+    decodes them (a high surrogate escape and a low one next are one character): (the
+    characters, where reading stopped, state). open: the text ends inside the string or
+    inside an escape (which is left unread); broken: `text[i]` cannot be in a string."""
+    out: list[str] = []
+    while i < len(text):
+        m = _PLAIN.match(text, i)
+        if m:
+            out.append(m.group())
+            i = m.end()
+            continue
+        if text[i] == '"':
+            return "".join(out), i + 1, "closed"
+        m = _ESCAPE.match(text, i)
+        if m is None:
+            state: Literal["open", "broken"] = (
+                "open" if _ESCAPE_START.fullmatch(text, i) else "broken"
+            )
+            return "".join(out), i, state
+        if m.group(1) is None:
+            e = text[i + 1]
+            out.append(_UNESCAPED.get(e, e))
+            i = m.end()
+            continue
+        code = int(m.group(1), 16)
+        if 0xD800 <= code <= 0xDBFF:
+            low = _ESCAPE.match(text, m.end())
+            if low is None and (m.end() == len(text) or _ESCAPE_START.fullmatch(text, m.end())):
+                return "".join(out), i, "open"  # a low surrogate may be next
+            if low is not None and low.group(1) is not None:
+                code2 = int(low.group(1), 16)
+                if 0xDC00 <= code2 <= 0xDFFF:
+                    out.append(chr(0x10000 + ((code - 0xD800) << 10) + (code2 - 0xDC00)))
+                    i = low.end()
+                    continue
+        out.append(chr(code))
+        i = m.end()
+    return "".join(out), i, "open"
+
+
+def _escape(chars: str) -> str:
+    return _TO_ESCAPE.sub(lambda m: json.dumps(m.group())[1:-1], chars)

@@ -1,5 +1,6 @@
-"""Tool calling, the pure part: family detection, the prompt given to the template, calls
-parsed from a reply (whole and streamed, however split), and the request checks."""
+"""Tool calling, what comes back: calls parsed from a reply, whole and streamed (however
+split), uncertain (announced whole) and certain (arguments streamed as written), and the
+canonical form of their arguments."""
 
 from __future__ import annotations
 
@@ -8,15 +9,12 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
 import torch
 
-from swarmd.errors import InvalidRequestError
 from swarmd.model import tool_calls as tc
-from swarmd.model.chat_template import compile_template
 from swarmd.model.grammar import (
     Constraint,
     GrammarSpec,
@@ -26,6 +24,7 @@ from swarmd.model.grammar import (
     compile_grammar,
 )
 from swarmd.model.text import IncrementalDetokenizer, TextCodec
+from swarmd.model.tool_prompt import tool_call_format
 
 WEATHER = {
     "type": "object",
@@ -36,43 +35,11 @@ WEATHER = {
     "required": ["city", "unit"],
 }
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}}
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city",
-            "parameters": WEATHER,
-        },
-    },
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
 NAMES = {"get_weather", "get_time"}
 FUNCTIONS = [ToolFunction("get_weather", WEATHER), ToolFunction("get_time", TIME)]
 FORMATS = {
-    family: tc.tool_call_format(family, FUNCTIONS) for family in ("hermes", "llama3", "mistral")
+    family: tool_call_format(family, FUNCTIONS) for family in ("hermes", "llama3", "mistral")
 }
-HISTORY: list[dict[str, Any]] = [
-    {"role": "user", "content": "Weather in Paris?"},
-    {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {
-                "id": "call_1",
-                "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"C"}'},
-            },
-            {
-                "id": "call_2",
-                "type": "function",
-                "function": {"name": "get_time", "arguments": "{}"},
-            },
-        ],
-    },
-    {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-    {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
-]
 ID = re.compile(r"^call_[A-Za-z0-9]{24}$")
 
 
@@ -80,222 +47,6 @@ def counter() -> Callable[[], str]:
     """Deterministic call ids (a parse and a stream of the same text get the same ones)."""
     n = iter(range(1_000_000))
     return lambda: f"call_{next(n)}"
-
-
-# --- Families ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("snippet", "family"),
-    [
-        (None, "fallback"),
-        ("", "fallback"),
-        ("{% for m in messages %}{{ m.content }}{% endfor %}", "fallback"),
-        # Reads tools, in a format of its own: we render our prompt instead.
-        ("{% if tools %}<|tool|>{{ tools | tojson }}<|/tool|>{% endif %}", "fallback"),
-        ("{% if custom_tools %}<tool_call>{% endif %}", "fallback"),  # never reads `tools`
-        ("{% if tools %}<tool_call>\n<function={{ t.name }}>{% endif %}", "fallback"),
-        ("{% if tools %}[TOOL_CALLS]{{ c.name }}[ARGS]{% endif %}", "fallback"),
-        ("{%- if tools %}<tools>{{ tools | tojson }}</tools><tool_call>{% endif %}", "hermes"),
-        ("{% if tools is not none %}[AVAILABLE_TOOLS]{{ tools }}{% endif %}", "mistral"),
-        ("{% for t in tools %}{% endfor %}{{ '[TOOL_CALLS] [' }}", "mistral"),
-        ("{% if tools is not none %}{{- 'Environment: ipython\\n' }}{% endif %}", "llama3"),
-        ("{% if tools %}{{ '<|python_tag|>' + c.name }}{% endif %}", "llama3"),
-        (
-            "{{ '<|start_header_id|>' }}{% for t in tools %}{{ t | tojson }}{% endfor %}"
-            "{{ '\"parameters\": ' }}",
-            "llama3",
-        ),
-    ],
-)
-def test_family_from_template_text(snippet: str | None, family: str) -> None:
-    assert tc.detect_family(snippet) == family
-
-
-def test_the_embedded_model_has_no_tools_section(smollm_dir: Path) -> None:
-    template = TextCodec.load(smollm_dir).chat_template
-    assert template and "im_start" in template
-    assert tc.detect_family(template) == "fallback"
-
-
-def test_each_family_maps_to_grammar_presets() -> None:
-    assert tc.tool_call_format("hermes", FUNCTIONS) == ToolCallFormat.hermes(FUNCTIONS)
-    assert tc.tool_call_format("fallback", FUNCTIONS) == ToolCallFormat.hermes(FUNCTIONS)
-    assert tc.tool_call_format("mistral", FUNCTIONS, False) == ToolCallFormat.mistral(
-        FUNCTIONS, False
-    )
-    assert tc.tool_call_format("llama3", FUNCTIONS) == ToolCallFormat.llama3_json(FUNCTIONS)
-
-
-# --- The prompt -------------------------------------------------------------------------
-
-
-def render(source: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
-    family = tc.detect_family(source)
-    prompt = tc.render_tools_prompt(source, messages, tools, family)
-    return str(
-        compile_template(source).render(
-            messages=prompt.messages, tools=prompt.tools, add_generation_prompt=True
-        )
-    )
-
-
-def test_fallback_prompt_through_the_embedded_template(smollm_dir: Path) -> None:
-    template = TextCodec.load(smollm_dir).chat_template
-    assert template is not None
-    text = render(template, [{"role": "user", "content": "Weather in Paris?"}], TOOLS)
-    assert text.startswith("<|im_start|>system\n# Tools\n")
-    assert "SmolLM" not in text  # our system turn replaced the template's default one
-    for tool in TOOLS:
-        entry = {k: v for k, v in tool["function"].items()}
-        assert json.dumps(entry) in text  # name, description, the whole schema
-    assert '<tool_call>\n{"name": "<function-name>", "arguments":' in text
-    assert text.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_fallback_history_renders_calls_and_results(smollm_dir: Path) -> None:
-    template = TextCodec.load(smollm_dir).chat_template
-    assert template is not None
-    system = {"role": "system", "content": "Be brief."}
-    text = render(template, [system, *HISTORY], TOOLS)
-    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
-    calls = (
-        "<|im_start|>assistant\n"
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
-        "</tool_call>\n"
-        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call><|im_end|>\n'
-    )
-    results = (
-        "<|im_start|>user\n<tool_response>\n18 C, sunny\n</tool_response>\n"
-        "<tool_response>\n14:05\n</tool_response><|im_end|>\n"
-    )
-    assert calls + results + "<|im_start|>assistant\n" in text
-
-
-def test_a_history_call_is_the_text_the_parser_reads() -> None:
-    """The fallback writes earlier calls as the Hermes format writes them (what the
-    grammar makes the model produce), so the model sees its own calls as it made them."""
-    prompt = tc.render_tools_prompt(None, HISTORY, TOOLS, "fallback")
-    assistant = prompt.messages[2]
-    assert assistant["role"] == "assistant"
-    parsed = tc.parse_tool_calls(assistant["content"], FORMATS["hermes"], NAMES)
-    assert parsed.content is None
-    assert [(c.name, c.arguments_json) for c in parsed.calls] == [
-        ("get_weather", '{"city":"Paris","unit":"C"}'),
-        ("get_time", "{}"),
-    ]
-
-
-def test_fallback_without_a_system_role_goes_in_the_first_user_turn() -> None:
-    gemma_like = (
-        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
-        "supported') }}{% endif %}{% for m in messages %}<start_of_turn>{{ m.role }}\n"
-        "{{ m.content }}<end_of_turn>\n{% endfor %}"
-    )
-    prompt = tc.render_tools_prompt(
-        gemma_like, [{"role": "user", "content": "Hi"}], TOOLS, "fallback"
-    )
-    assert [m["role"] for m in prompt.messages] == ["user"]
-    assert prompt.messages[0]["content"].startswith("# Tools\n")
-    assert prompt.messages[0]["content"].endswith("\n\nHi")
-    text = compile_template(gemma_like).render(messages=prompt.messages)
-    assert "get_weather" in text
-
-
-def test_fallback_text_is_the_documented_one() -> None:
-    text = tc.fallback_tools_prompt(TOOLS[1:])
-    assert text == tc.FALLBACK_TOOLS_PROMPT.format(
-        tools='{"name": "get_time", "parameters": ' + json.dumps(TIME) + "}"
-    )
-    assert "{{" not in text and "<tools>\n{" in text
-
-
-# A template shaped like Qwen2.5's: `tojson` on the tools and on each call's arguments.
-QWEN_LIKE = (
-    "{% if tools %}<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
-    "{% endif %}{% for m in messages %}"
-    "{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
-    "{% for c in m.tool_calls %}{% set c = c.function %}\n<tool_call>\n"
-    '{"name": "{{ c.name }}", "arguments": {{ c.arguments | tojson }}}\n</tool_call>'
-    "{% endfor %}<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
-)
-
-
-def test_native_templates_get_tools_and_arguments_as_dicts() -> None:
-    prompt = tc.render_tools_prompt(QWEN_LIKE, HISTORY, TOOLS, "hermes")
-    assert prompt.tools == [{"type": "function", "function": t["function"]} for t in TOOLS]
-    call = prompt.messages[1]["tool_calls"][0]
-    assert call == {
-        "id": "call_1",
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}},
-    }
-    assert prompt.messages[1]["content"] == ""
-    assert prompt.messages[2] == {
-        "role": "tool",
-        "tool_call_id": "call_1",
-        "content": "18 C, sunny",
-        "name": "get_weather",
-    }
-    assert "tool_calls" not in prompt.messages[0]  # Mistral/Llama test for the key
-    text = render(QWEN_LIKE, HISTORY, TOOLS)
-    assert '"arguments": {"city": "Paris", "unit": "C"}}' in text
-    assert '{"type": "function", "function": {"name": "get_weather"' in text
-
-
-def test_no_tools_still_renders_the_history() -> None:
-    prompt = tc.render_tools_prompt(QWEN_LIKE, HISTORY, None, "hermes")
-    assert prompt.tools is None
-    assert "<tool_call>" in render(QWEN_LIKE, HISTORY, None)
-    fallback = tc.render_tools_prompt(None, HISTORY, [], "fallback")
-    assert [m["role"] for m in fallback.messages] == ["user", "assistant", "user"]
-
-
-def test_mistral_ids_are_nine_alphanumerics_and_still_pair() -> None:
-    prompt = tc.render_tools_prompt(None, HISTORY, TOOLS, "mistral")
-    ids = [c["id"] for c in prompt.messages[1]["tool_calls"]]
-    assert all(len(i) == 9 and i.isalnum() for i in ids)
-    assert len(set(ids)) == 2
-    assert [m["tool_call_id"] for m in prompt.messages[2:]] == ids
-    kept = tc.render_tools_prompt(
-        None,
-        [{"role": "tool", "tool_call_id": "abcDEF123", "content": "x"}],
-        TOOLS,
-        "mistral",
-    )
-    assert kept.messages[0]["tool_call_id"] == "abcDEF123"
-
-
-@pytest.mark.parametrize(
-    ("change", "param"),
-    [
-        (
-            lambda h: h[1]["tool_calls"][1]["function"].update(arguments="{bad"),
-            "messages[1].tool_calls[1].function.arguments",
-        ),
-        (
-            lambda h: h[1]["tool_calls"][0]["function"].update(arguments="[1]"),
-            "messages[1].tool_calls[0].function.arguments",
-        ),
-        (lambda h: h[1]["tool_calls"][0].pop("id"), "messages[1].tool_calls[0].id"),
-        (
-            lambda h: h[1]["tool_calls"][0]["function"].pop("name"),
-            "messages[1].tool_calls[0].function.name",
-        ),
-        (lambda h: h[3].pop("tool_call_id"), "messages[3].tool_call_id"),
-        (lambda h: h[0].update(content=42), "messages[0].content"),
-    ],
-)
-def test_a_bad_history_names_its_path(change: Callable[[Any], Any], param: str) -> None:
-    history = json.loads(json.dumps(HISTORY))
-    change(history)
-    for family in ("hermes", "fallback"):
-        with pytest.raises(InvalidRequestError) as caught:
-            tc.render_tools_prompt(None, history, TOOLS, family)  # type: ignore[arg-type]
-        assert caught.value.param == param
 
 
 # --- Parsing ----------------------------------------------------------------------------
@@ -452,9 +203,9 @@ def splits(text: str, rng: random.Random) -> Iterator[list[str]]:
 
 
 def stream(
-    fmt: ToolCallFormat, deltas: list[str]
+    fmt: ToolCallFormat, deltas: list[str], certain: bool = False
 ) -> tuple[list[tc.StreamEvent], tc.ToolCallStreamer]:
-    streamer = tc.ToolCallStreamer(fmt, NAMES, new_id=counter())
+    streamer = tc.ToolCallStreamer(fmt, NAMES, new_id=counter(), certain=certain)
     events: list[tc.StreamEvent] = []
     for delta in deltas:
         events += streamer.feed(delta)
@@ -557,6 +308,272 @@ def test_streaming_a_long_call_one_character_at_a_time_is_linear() -> None:
     assert scans < 200  # a rescan per delta would be ~20 000
 
 
+# --- The canonical form of arguments ---------------------------------------------------
+
+
+def random_string(rng: random.Random) -> str:
+    alphabet = 'ab Z09"\\/\b\f\n\r\t\x00\x1f\x7féü€\u2028😀𝄞'
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+
+
+def random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(8 if depth < 3 else 5)
+    if kind == 0:
+        return rng.choice([True, False, None])
+    if kind == 1:
+        return rng.randint(-(10**20), 10**20)
+    if kind == 2:
+        return rng.choice([0.0, -0.0, 1e-7, 2.5e300, rng.uniform(-1e6, 1e6)])
+    if kind in (3, 4):
+        return random_string(rng)
+    if kind == 5:
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return random_object(rng, depth + 1)
+
+
+def random_object(rng: random.Random, depth: int = 0) -> dict[str, object]:
+    return {random_string(rng): random_value(rng, depth) for _ in range(rng.randint(0, 4))}
+
+
+def test_strings_are_written_as_json_writes_them() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        text = random_string(rng)
+        assert tc._escape(text) == json.dumps(text, ensure_ascii=False)[1:-1]
+    # A lone surrogate stays escaped (it would not encode), as json writes it.
+    assert tc._escape("a\ud800b\udfff") == "a\\ud800b\\udfff"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arguments_are_json_dumps_of_json_loads(seed: int) -> None:
+    """However the model lays out and escapes an object without repeated keys, its
+    arguments are `json.dumps(json.loads(text), compact, ensure_ascii=False)`, whole and
+    streamed (certain) alike."""
+    rng = random.Random(seed)
+    value = random_object(rng)
+    text = json.dumps(
+        value,
+        ensure_ascii=rng.random() < 0.5,  # True: astral characters as surrogate pairs
+        indent=rng.choice([None, 0, 2]),
+        separators=rng.choice([None, (",", ":"), (" ,", " : ")]),
+    )
+    expected = json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+    reply = f'<tool_call>\n{{"name": "get_time", "arguments": {text}}}\n</tool_call>'
+    (call,) = tc.parse_tool_calls(reply, FORMATS["hermes"], NAMES).calls
+    assert call.arguments_json == expected
+    for deltas in splits(reply, rng):
+        events, streamer = stream(FORMATS["hermes"], deltas, certain=True)
+        assert "".join(e[2] for e in events if e[0] == "arguments") == expected  # type: ignore[misc]
+        assert [c.arguments_json for c in streamer.calls] == [expected]
+
+
+def test_a_lone_surrogate_stays_escaped_and_reads_back() -> None:
+    reply = '{"name": "get_time", "parameters": {"zone": "\\ud800x\\udc00", "e": "\\ud83d\\ude00"}}'
+    (call,) = tc.parse_tool_calls(reply, FORMATS["llama3"], NAMES).calls
+    assert call.arguments_json == '{"zone":"\\ud800x\\udc00","e":"😀"}'
+    call.arguments_json.encode()  # UTF-8 clean
+    assert json.loads(call.arguments_json) == json.loads(reply)["parameters"]
+
+
+# --- Certain: a call announced by its name, its arguments streamed ----------------------
+
+CERTAIN_FORMATS = {**FORMATS, "fallback": tool_call_format("fallback", FUNCTIONS)}
+STRINGS = '"Z\\u00fcrich \\"old\\"\\n\\ud83d\\ude00 \\/ \\\\ é"'
+NUMBERS = "[-12.5e+3, 0, -0, 1E2, 0.25, 12345678901234567890, 1.5e-7, true, false, null]"
+# (family, reply): replies that are calls, as constrained decoding makes them and looser.
+SAMPLES: list[tuple[str, str]] = [
+    (
+        "hermes",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": {STRINGS}}}}}\n</tool_call>',
+    ),
+    (
+        "hermes",
+        f'<tool_call>\n{{"name": "get_time", "arguments": {{"n": {NUMBERS}, "o": {{}}, "a": []}}}}'
+        f"\n</tool_call>\n<tool_call>\n{W1}\n</tool_call>",
+    ),
+    ("fallback", f"Let me check.\n<tool_call>{W2}</tool_call>"),
+    # The arguments before the name: held until it is read.
+    (
+        "hermes",
+        '<tool_call>{"arguments": {"zone": "UTC", "x": [1]}, "name": "get_time"}</tool_call>',
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{ "name" : "get_time" , "id": [1, {"x": null}], "arguments" : '
+        '{ "zone" : "UT\\tC" , "n" : [ 1 , 2.50 ] } }\n</tool_call>',
+    ),
+    ("mistral", f"[TOOL_CALLS][{W1}, {W2}]"),
+    ("mistral", ' [{"name": "get_time", "arguments": {"zone": "a\\u0000b"}}]'),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "F"}};',
+    ),
+    ("llama3", f"{W1}; {W2}"),
+    ("llama3", '{"name": "get_weather", "parameters": {"city": "\\ud800x", "unit": "C"}}'),
+]
+
+
+def every_split(text: str) -> Iterator[list[str]]:
+    """Every cut into two pieces, and a piece per character."""
+    for k in range(1, len(text)):
+        yield [text[:k], text[k:]]
+    yield list(text)
+
+
+def check_stream(reply: str, fmt: ToolCallFormat, deltas: list[str], whole: tc.ParsedReply) -> None:
+    events, streamer = stream(fmt, deltas, certain=True)
+    assert streamer.calls == whole.calls, deltas  # ids (drawn in order), names, arguments
+    assert streamer.content == whole.content
+    check_events(events, whole)
+
+
+def test_samples_cover_every_syntax() -> None:
+    assert {family for family, _ in SAMPLES} == set(CERTAIN_FORMATS)
+
+
+@pytest.mark.parametrize(("family", "reply"), SAMPLES)
+def test_certain_streaming_equals_the_whole_parse_at_every_split(family: str, reply: str) -> None:
+    """The pieces of each call's arguments concatenate to what `parse_tool_calls` gives
+    (certain or not), however the reply is cut: inside strings, escapes, numbers."""
+    fmt = CERTAIN_FORMATS[family]
+    streamer = tc.ToolCallStreamer(fmt, NAMES, new_id=counter())
+    streamer.feed(reply)
+    streamer.flush()
+    whole = tc.ParsedReply(streamer.content, streamer.calls)
+    assert whole.calls
+    certain = tc.ToolCallStreamer(fmt, NAMES, new_id=counter(), certain=True)
+    certain.feed(reply)
+    certain.flush()
+    assert (certain.content, certain.calls) == (whole.content, whole.calls)
+    for deltas in every_split(reply):
+        check_stream(reply, fmt, deltas, whole)
+    for deltas in splits(reply, random.Random(reply)):
+        check_stream(reply, fmt, deltas, whole)
+
+
+@pytest.mark.parametrize(("family", "reply"), SAMPLES)
+def test_certain_arguments_arrive_before_the_call_is_whole(family: str, reply: str) -> None:
+    """Fed a character at a time: uncertain, a call is announced once whole; certain, its
+    start comes with its name and its arguments grow in many pieces before that."""
+    fmt = CERTAIN_FORMATS[family]
+    uncertain = tc.ToolCallStreamer(fmt, NAMES, new_id=counter())
+    certain = tc.ToolCallStreamer(fmt, NAMES, new_id=counter(), certain=True)
+    whole_at: dict[int, int] = {}  # call index -> characters fed when announced whole
+    first_piece_at: dict[int, int] = {}
+    pieces: dict[int, int] = {}
+    for k in range(1, len(reply) + 1):
+        for event in uncertain.feed(reply[k - 1]):
+            if event[0] == "call_start":
+                whole_at[event[1]] = k
+        for event in certain.feed(reply[k - 1]):
+            if event[0] == "call_start":  # as the name's closing quote is read
+                assert reply[:k].endswith(f'"{event[3]}"')
+            if event[0] == "arguments":
+                first_piece_at.setdefault(event[1], k)
+                pieces[event[1]] = pieces.get(event[1], 0) + 1
+    uncertain.flush()
+    certain.flush()
+    for index, call in enumerate(certain.calls):
+        at = whole_at.get(index, len(reply) + 1)  # a call cut by the end: at flush
+        assert first_piece_at[index] < at, (index, call)
+        if '{"arguments"' not in reply and len(call.arguments_json) > 2:  # not held
+            assert pieces[index] > 3
+
+
+def test_arguments_before_the_name_are_held_then_sent() -> None:
+    streamer = tc.ToolCallStreamer(FORMATS["hermes"], NAMES, new_id=counter(), certain=True)
+    assert streamer.feed('<tool_call>{"arguments": {"zone": "U') == []
+    assert streamer.feed('TC"}, "name": "get_ti') == []
+    assert streamer.feed('me"') == [
+        ("call_start", 0, "call_0", "get_time"),
+        ("arguments", 0, ARGS2),
+    ]
+    assert streamer.feed("}</tool_call>") == []
+    assert [c.arguments_json for c in streamer.calls] == [ARGS2]
+
+
+def test_a_certain_call_streams_its_arguments_as_they_grow() -> None:
+    streamer = tc.ToolCallStreamer(FORMATS["hermes"], NAMES, new_id=counter(), certain=True)
+    assert streamer.feed('<tool_call>\n{"name": "get_time"') == [
+        ("call_start", 0, "call_0", "get_time")
+    ]
+    assert streamer.feed(', "arguments": {"zo') == [("arguments", 0, '{"zo')]
+    assert streamer.feed('ne": "a\\') == [("arguments", 0, 'ne":"a')]  # the escape held
+    assert streamer.feed("ud83d") == []  # a low surrogate may follow
+    assert streamer.feed('\\ude00 b", "n": 12') == [("arguments", 0, '😀 b","n":')]
+    assert streamer.feed("3}}\n</tool_call>") == [("arguments", 0, "123}")]
+    assert [c.arguments_json for c in streamer.calls] == ['{"zone":"a😀 b","n":123}']
+
+
+def test_a_certain_call_cut_short_keeps_what_was_streamed() -> None:
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    assert tc.parse_tool_calls(reply, FORMATS["hermes"], NAMES).calls == []  # uncertain
+    parsed = tc.parse_tool_calls(reply, FORMATS["hermes"], NAMES, certain=True)
+    assert [(c.name, c.arguments_json) for c in parsed.calls] == [("get_weather", '{"city":"Par')]
+    assert parsed.content is None
+    for deltas in splits(reply, random.Random(1)):
+        events, streamer = stream(FORMATS["hermes"], deltas, certain=True)
+        assert [(c.name, c.arguments_json) for c in streamer.calls] == [
+            (c.name, c.arguments_json) for c in parsed.calls
+        ]
+        check_events(events, tc.ParsedReply(None, streamer.calls))
+
+
+def test_certain_is_never_a_call_before_a_known_name() -> None:
+    """Until the name is read and known, certain holds as uncertain does: text that is
+    no call is content, whole."""
+    for reply in (
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        '<tool_call>{"arguments": {"x": 1}, "oops"</tool_call>',
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        "[TOOL_CALLS][]",
+    ):
+        family = "mistral" if reply.startswith("[") else "hermes"
+        for certain in (False, True):
+            parsed = tc.parse_tool_calls(reply, FORMATS[family], NAMES, certain=certain)
+            assert (parsed.content, parsed.calls) == (reply, [])
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_certain_streaming_of_any_reply_equals_its_certain_parse(index: int) -> None:
+    """Split invariance holds for certain mode on every case, calls or not. Where the
+    reply is whole calls, certain finds exactly the uncertain calls."""
+    family, reply, _, calls = CASES[index]
+    fmt = FORMATS[family]
+    streamer = tc.ToolCallStreamer(fmt, NAMES, new_id=counter(), certain=True)
+    streamer.feed(reply)
+    streamer.flush()
+    whole = tc.ParsedReply(streamer.content, streamer.calls)
+    if calls:
+        assert [(c.name, c.arguments_json) for c in whole.calls] == calls
+    for deltas in splits(reply, random.Random(index)) if len(reply) > 1 else [[reply]]:
+        check_stream(reply, fmt, deltas, whole)
+
+
+def test_certain_streaming_a_long_call_reads_each_character_once() -> None:
+    zone = "z\\n" * 7_000
+    reply = f'<tool_call>\n{{"name": "get_time", "arguments": {{"zone": "{zone}"}}}}\n</tool_call>'
+    streamer = tc.ToolCallStreamer(FORMATS["hermes"], NAMES, certain=True)
+    read = 0
+    original = tc._Reader.advance
+
+    def counted(self: tc._Reader, text: str) -> None:
+        nonlocal read
+        read += len(text) - self.pos
+        original(self, text)
+
+    pieces = 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tc._Reader, "advance", counted)
+        for ch in reply:
+            pieces += sum(e[0] == "arguments" for e in streamer.feed(ch))
+        streamer.flush()
+    assert [c.arguments_json for c in streamer.calls] == ['{"zone":"' + zone + '"}']
+    assert read < 2 * len(reply)  # a rescan per delta would be ~len(reply) ** 2 / 2
+    assert pieces > len(zone) // 3
+
+
 # --- Replies made under the grammar always parse ----------------------------------------
 
 
@@ -614,80 +631,18 @@ def test_grammar_made_replies_parse_as_valid_calls(
             (c.name, c.arguments_json) for c in parsed.calls
         ]
         assert not [e for e in events if e[0] == "content"]
-
-
-# --- Request checks ---------------------------------------------------------------------
-
-
-def test_check_tools_gives_the_functions() -> None:
-    assert tc.check_tools(TOOLS) == FUNCTIONS
-    bare = tc.check_tools([{"type": "function", "function": {"name": "ping"}}])
-    assert bare == [ToolFunction("ping", {})]
-
-
-def tool(**function: Any) -> dict[str, Any]:
-    return {"type": "function", "function": function}
-
-
-@pytest.mark.parametrize(
-    ("tools", "param"),
-    [
-        ({"type": "function"}, "tools"),
-        ([], "tools"),
-        ([tool(name="f")] * 129, "tools"),
-        (["f"], "tools[0]"),
-        ([{"type": "retrieval", "function": {"name": "f"}}], "tools[0].type"),
-        ([{"type": "function"}], "tools[0].function"),
-        ([tool(name="ok"), tool(name="has space")], "tools[1].function.name"),
-        ([tool(name="x" * 65)], "tools[0].function.name"),
-        ([tool(name="")], "tools[0].function.name"),
-        ([tool(description="no name")], "tools[0].function.name"),
-        ([tool(name="a"), tool(name="b"), tool(name="a")], "tools[2].function.name"),
-        ([tool(name="f", description=3)], "tools[0].function.description"),
-        ([tool(name="f", parameters="{}")], "tools[0].function.parameters"),
-        ([tool(name="f", parameters={"type": "string"})], "tools[0].function.parameters"),
-    ],
-)
-def test_check_tools_names_the_bad_path(tools: object, param: str) -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        tc.check_tools(tools)
-    assert caught.value.param == param
-    assert caught.value.status == 400
-    assert param in str(caught.value)
-
-
-@pytest.mark.parametrize(
-    ("choice", "names", "expected"),
-    [
-        (None, NAMES, ("auto", None)),
-        (None, set(), ("none", None)),
-        ("auto", NAMES, ("auto", None)),
-        ("auto", set(), ("none", None)),
-        ("none", NAMES, ("none", None)),
-        ("required", NAMES, ("required", None)),
-        ({"type": "function", "function": {"name": "get_time"}}, NAMES, ("required", "get_time")),
-    ],
-)
-def test_check_tool_choice(
-    choice: object, names: set[str], expected: tuple[str, str | None]
-) -> None:
-    assert tc.check_tool_choice(choice, names) == expected
-
-
-@pytest.mark.parametrize(
-    ("choice", "names"),
-    [
-        ({"type": "function", "function": {"name": "get_date"}}, NAMES),
-        ({"type": "function", "function": {}}, NAMES),
-        ({"type": "function"}, NAMES),
-        ({"type": "allowed_tools", "tools": []}, NAMES),
-        ("always", NAMES),
-        (3, NAMES),
-        ("required", set()),
-        ({"type": "function", "function": {"name": "get_time"}}, set()),
-    ],
-)
-def test_a_bad_tool_choice_is_a_400_naming_it(choice: object, names: set[str]) -> None:
-    with pytest.raises(InvalidRequestError) as caught:
-        tc.check_tool_choice(choice, names)
-    assert caught.value.param == "tool_choice"
+        # Certain (as the API streams a required call): the same calls, their arguments
+        # sent as the tokens come, the first piece before the last token.
+        certain = tc.ToolCallStreamer(fmt, NAMES, new_id=counter(), certain=True)
+        events, first = [], None
+        for k, delta in enumerate(deltas):
+            new = certain.feed(delta)
+            if first is None and any(e[0] == "arguments" for e in new):
+                first = k
+            events += new
+        events += certain.flush()
+        assert [(c.name, c.arguments_json) for c in certain.calls] == [
+            (c.name, c.arguments_json) for c in parsed.calls
+        ]
+        check_events(events, tc.ParsedReply(None, certain.calls))
+        assert first is not None and first < len(tokens) - 1, reply
