@@ -2,6 +2,8 @@
 
 - `app.py`          `create_app`, middlewares, `/health`, `/v1/models`, the chat page at `/`
 - `completions.py`  `/v1/chat/completions`, `/v1/completions` (SSE streaming or not)
+- `choices.py`      the `n` choices of a request: run at once, the prompt prefilled once
+- `logprobs.py`     `LogprobsWriter`: logprobs in the chat and legacy shapes
 - `schemas.py`      pydantic request models; every unsupported parameter refused by name
 - `errors.py`       the exception tree -> HTTP status table, OpenAI's error shape
 - `metrics.py`      `NodeMetrics`: the Prometheus metrics of `/metrics`

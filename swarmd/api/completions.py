@@ -8,11 +8,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from aiohttp import web
 
 from swarmd.api import keys
+from swarmd.api.choices import Choices, choice_requests, run_all
 from swarmd.api.errors import classify
 from swarmd.api.logprobs import LogprobsWriter, Pairs
 from swarmd.api.schemas import (
@@ -32,18 +34,16 @@ from swarmd.errors import (
 from swarmd.model.grammar import GrammarSpec, ToolCallFormat
 from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams, random_seed
-from swarmd.model.tool_calls import (
-    StreamEvent,
-    ToolCallStreamer,
+from swarmd.model.tool_calls import StreamEvent, ToolCallStreamer, parse_tool_calls
+from swarmd.model.tool_prompt import (
     check_tool_choice,
     check_tools,
     detect_family,
-    parse_tool_calls,
     render_tools_prompt,
     tool_call_format,
 )
 from swarmd.pipeline.coordinator import Coordinator
-from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
+from swarmd.pipeline.generation import Delta, Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, ms
 
 Kind = Literal["chat", "text"]
@@ -71,7 +71,12 @@ class _Reply:
         return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
 
     def choice(
-        self, text: str | None, finish: str | None, first: bool = False, pairs: Pairs = ()
+        self,
+        text: str | None,
+        finish: str | None,
+        first: bool = False,
+        pairs: Pairs = (),
+        index: int = 0,
     ) -> dict[str, Any]:
         logprobs = self._logprobs(pairs)
         if self.kind == "chat":
@@ -80,15 +85,17 @@ class _Reply:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
 
-    def whole_choice(self, text: str, finish: str | None, pairs: Pairs) -> dict[str, Any]:
+    def whole_choice(
+        self, text: str, finish: str | None, pairs: Pairs, index: int = 0
+    ) -> dict[str, Any]:
         if self.kind == "text":
-            return self.choice(text, finish, pairs=pairs)
+            return self.choice(text, finish, pairs=pairs, index=index)
         message = {"role": "assistant", "content": text}
         return {
-            "index": 0,
+            "index": index,
             "message": message,
             "logprobs": self._logprobs(pairs),
             "finish_reason": finish,
@@ -163,14 +170,15 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
     }
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    prompt = len(gen.request.prompt_ids)
-    done = gen.completion_tokens
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    """The prompt counts once (as OpenAI counts it for `n`); the replies add up."""
+    prompt = len(gens[0].request.prompt_ids)
+    done = sum(gen.completion_tokens for gen in gens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": done,
         "total_tokens": prompt + done,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens},
     }
 
 
@@ -232,6 +240,11 @@ class _Tools:
     fmt: ToolCallFormat
     names: frozenset[str]
     grammar: GrammarSpec | None  # tool_choice required or named: only calls can come out
+
+    @property
+    def certain(self) -> bool:
+        """Only calls can come out, so a call's arguments stream as they are written."""
+        return self.grammar is not None
 
 
 def _tools_prompt(
@@ -354,9 +367,10 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         ),
         tools=tools,
     )
+    gen_requests = choice_requests(gen_request, req.choices)
     if req.stream:
-        return await _stream(request, gen_request, timing, reply)
-    return await _whole(request, gen_request, timing, reply)
+        return await _stream(request, gen_requests, timing, reply)
+    return await _whole(request, gen_requests, timing, reply)
 
 
 def _report_rejected(
@@ -387,65 +401,106 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _whole(
-    request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
+    request: web.Request, gen_requests: list[GenerationRequest], timing: Timing, reply: _Reply
 ) -> web.Response:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
-    async with coordinator.generation(gen_request, timing, lambda: _client_gone(request)) as gen:
-        events = [event async for event in gen.events()]
-        text = "".join(event.text for event in events)
-        pairs = [pair for event in events for pair in event.logprobs]
-        choice = reply.whole_choice(text, gen.finish_reason, pairs)
-        if reply.tools is not None:
-            parsed = parse_tool_calls(text, reply.tools.fmt, reply.tools.names)
-            if parsed.calls:
-                choice["message"] = {
-                    "role": "assistant",
-                    "content": parsed.content,
-                    "tool_calls": [call.to_openai() for call in parsed.calls],
-                }
-                if gen.finish_reason == "stop":
-                    choice["finish_reason"] = "tool_calls"
-        body: dict[str, Any] = {
-            "id": reply.reply_id,
-            "object": reply.object_name,
-            "created": reply.created,
-            "model": reply.model,
-            "choices": [choice],
-            "usage": _usage(gen),
-            "swarm": _swarm_summary(gen),
-        }
-        if reply.return_token_ids:
-            body["prompt_token_ids"] = list(gen_request.prompt_ids)
-            choice["token_ids"] = list(gen.tokens)
-        headers = _route_headers(gen, gen_request.request_id, full_timing=True)
+    choices = Choices(coordinator, gen_requests, timing, lambda: _client_gone(request))
+
+    async def one(index: int) -> tuple[Generation, dict[str, Any]]:
+        async with choices.generation(index) as gen:
+            events = [event async for event in gen.events()]
+        return gen, _whole_choice(reply, gen, events, index)
+
+    done = await run_all([partial(one, i) for i in range(choices.n)])
+    gens = [gen for gen, _ in done]
+    first = gens[0]
+    summary = _swarm_summary(first)
+    if len(gens) > 1:
+        summary["choices"] = [_swarm_summary(gen) for gen in gens]
+    body: dict[str, Any] = {
+        "id": reply.reply_id,
+        "object": reply.object_name,
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [choice for _, choice in done],
+        "usage": _usage(gens),
+        "swarm": summary,
+    }
+    if reply.return_token_ids:
+        body["prompt_token_ids"] = list(first.request.prompt_ids)
+    headers = _route_headers(first, gen_requests[0].request_id, full_timing=True)
     return web.json_response(body, headers=headers)
 
 
+def _whole_choice(
+    reply: _Reply, gen: Generation, events: list[Delta], index: int
+) -> dict[str, Any]:
+    text = "".join(event.text for event in events)
+    pairs = [pair for event in events for pair in event.logprobs]
+    choice = reply.whole_choice(text, gen.finish_reason, pairs, index)
+    if reply.tools is not None:
+        tools = reply.tools
+        parsed = parse_tool_calls(text, tools.fmt, tools.names, certain=tools.certain)
+        if parsed.calls:
+            choice["message"] = {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": [call.to_openai() for call in parsed.calls],
+            }
+            if gen.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+    if reply.return_token_ids:
+        choice["token_ids"] = list(gen.tokens)
+    return choice
+
+
+class _Sink:
+    """The SSE stream the choices write to, one whole event at a time."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self._lock = asyncio.Lock()
+
+    async def write(self, data: bytes) -> None:
+        async with self._lock:
+            await self.response.write(data)
+
+
 async def _stream(
-    request: web.Request, gen_request: GenerationRequest, timing: Timing, reply: _Reply
+    request: web.Request, gen_requests: list[GenerationRequest], timing: Timing, reply: _Reply
 ) -> web.StreamResponse:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
-    client_gone = lambda: _client_gone(request)  # noqa: E731
-    try:
-        async with coordinator.generation(gen_request, timing, client_gone) as gen:
-            response.headers.update(_route_headers(gen, gen_request.request_id, full_timing=False))
-            await response.prepare(request)
+    sink = _Sink(response)
+    choices = Choices(coordinator, gen_requests, timing, lambda: _client_gone(request))
+    started = asyncio.Event()  # the headers are sent (choice 0's route decides them)
+
+    async def one(index: int) -> Generation:
+        async with choices.generation(index) as gen:
+            if index == 0:
+                response.headers.update(_route_headers(gen, gen.request.request_id, False))
+                await response.prepare(request)
+                started.set()
+            else:
+                await started.wait()
             try:
-                await _write_events(response, gen, reply)
+                await _write_events(sink, gen, reply, index)
             except ConnectionResetError as exc:
                 raise ClientDisconnectedError("The client closed the stream") from exc
-            except ClientDisconnectedError:
-                raise
-            except SwarmError as exc:
-                await _write_error(response, exc)
-                raise
-    except ClientDisconnectedError:
+        return gen
+
+    try:
+        gens = await run_all([partial(one, i) for i in range(choices.n)])
+        if reply.include_usage:
+            await sink.write(reply.chunk([], usage=_usage(gens), swarm=_swarm_summary(gens[0])))
+        await sink.write(sse("[DONE]"))
+    except (ClientDisconnectedError, ConnectionResetError):
         pass  # nobody is left to answer; the DIAG line has recorded it
     except KVRoomError as exc:
         if response.prepared:
+            await _write_error(response, exc)
             return response
         # Too large for the route's KV room: the status says so, and so does the stream
         # a streaming client reads (one error event, then [DONE]).
@@ -455,9 +510,10 @@ async def _stream(
         await refused.write(sse(body))
         await refused.write(sse("[DONE]"))
         return refused
-    except SwarmError:
+    except SwarmError as exc:
         if not response.prepared:
             raise  # nothing sent yet: the middleware answers with the right status
+        await _write_error(response, exc)
     return response
 
 
@@ -470,7 +526,7 @@ async def _write_error(response: web.StreamResponse, exc: SwarmError) -> None:
 
 
 async def _write_tool_events(
-    response: web.StreamResponse, reply: _Reply, events: list[StreamEvent], pairs: Pairs
+    sink: _Sink, reply: _Reply, events: list[StreamEvent], pairs: Pairs, index: int
 ) -> None:
     """A streamed reply that may call tools: content as content deltas; each call as
     OpenAI streams it (its first delta names id and function, the next append arguments).
@@ -480,11 +536,11 @@ async def _write_tool_events(
         if event[0] == "content":
             delta = {"content": event[1]}
         elif event[0] == "call_start":
-            _, index, call_id, name = event
+            _, call, call_id, name = event
             delta = {
                 "tool_calls": [
                     {
-                        "index": index,
+                        "index": call,
                         "id": call_id,
                         "type": "function",
                         "function": {"name": name, "arguments": ""},
@@ -492,41 +548,43 @@ async def _write_tool_events(
                 ]
             }
         else:
-            _, index, fragment = event
-            delta = {"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}
-        choice = reply.choice(None, None, pairs=pairs)
+            _, call, fragment = event
+            delta = {"tool_calls": [{"index": call, "function": {"arguments": fragment}}]}
+        choice = reply.choice(None, None, pairs=pairs, index=index)
         choice["delta"] = delta
         pairs = ()
-        await response.write(reply.chunk([choice]))
+        await sink.write(reply.chunk([choice]))
     if pairs and reply.logprobs is not None:  # held text: its logprobs still go out
-        await response.write(reply.chunk([reply.choice(None, None, pairs=pairs)]))
+        await sink.write(reply.chunk([reply.choice(None, None, pairs=pairs, index=index)]))
 
 
-async def _write_events(response: web.StreamResponse, gen: Generation, reply: _Reply) -> None:
+async def _write_events(sink: _Sink, gen: Generation, reply: _Reply, index: int) -> None:
+    """One choice's chunks: its role, its text (or calls), its finish. With no usage chunk
+    to come, the finish carries the choice's route summary."""
     extra: dict[str, Any] = {}
-    if reply.return_token_ids:
+    if reply.return_token_ids and index == 0:
         extra["prompt_token_ids"] = list(gen.request.prompt_ids)
-    await response.write(
-        reply.chunk([reply.choice("" if reply.kind == "chat" else None, None, first=True)], **extra)
-    )
-    streamer = None if reply.tools is None else ToolCallStreamer(reply.tools.fmt, reply.tools.names)
+    opening = reply.choice("" if reply.kind == "chat" else None, None, first=True, index=index)
+    await sink.write(reply.chunk([opening], **extra))
+    tools = reply.tools
+    streamer = None
+    if tools is not None:
+        streamer = ToolCallStreamer(tools.fmt, tools.names, certain=tools.certain)
     async for event in gen.events():
         if streamer is None:
-            choice = reply.choice(event.text, None, pairs=event.logprobs)
-            await response.write(reply.chunk([choice]))
+            choice = reply.choice(event.text, None, pairs=event.logprobs, index=index)
+            await sink.write(reply.chunk([choice]))
         else:
-            await _write_tool_events(response, reply, streamer.feed(event.text), event.logprobs)
+            await _write_tool_events(sink, reply, streamer.feed(event.text), event.logprobs, index)
     finish_reason: str | None = gen.finish_reason
     if streamer is not None:
-        await _write_tool_events(response, reply, streamer.flush(), ())
+        await _write_tool_events(sink, reply, streamer.flush(), (), index)
         if streamer.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-    finish = reply.choice(None if reply.kind == "chat" else "", finish_reason)
+    finish = reply.choice(None if reply.kind == "chat" else "", finish_reason, index=index)
     if reply.return_token_ids:
         finish["token_ids"] = list(gen.tokens)
     if reply.include_usage:
-        await response.write(reply.chunk([finish]))
-        await response.write(reply.chunk([], usage=_usage(gen), swarm=_swarm_summary(gen)))
+        await sink.write(reply.chunk([finish]))
     else:
-        await response.write(reply.chunk([finish], swarm=_swarm_summary(gen)))
-    await response.write(sse("[DONE]"))
+        await sink.write(reply.chunk([finish], swarm=_swarm_summary(gen)))

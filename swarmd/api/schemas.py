@@ -181,8 +181,12 @@ class SamplingFields(BaseModel):
     store: bool | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    n: int | None = None
+    n: Annotated[int, Field(ge=1, le=bounds.N_MAX)] | None = None  # choices to draw
     return_token_ids: bool = False  # vLLM's extension: token ids in the reply
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -190,8 +194,6 @@ class SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_supported(self) -> None:
-        if self.n not in (None, bounds.N_MAX):
-            raise UnsupportedError(f"Only n={bounds.N_MAX} is supported", "n")
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError(
                 "stream_options is only allowed when stream is true", "stream_options"
@@ -221,7 +223,7 @@ class ChatCompletionRequest(SamplingFields):
     # The template's thinking switch where it has one (Qwen3's enable_thinking).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
-    # Checked by swarmd.model.tool_calls (exact parameter paths in its errors).
+    # Checked by swarmd.model.tool_prompt (exact parameter paths in its errors).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -50,6 +50,19 @@ class KVCache:
         new[..., : self.length, :].copy_(self._buffer[..., : self.length, :])
         self._buffer = new
 
+    def fork(self, length: int, max_length: int) -> KVCache:
+        """A new cache holding a copy of this one's first `length` positions (another
+        reply to the same prompt: the prompt is prefilled once)."""
+        if length > self.length:
+            raise ValueError(f"cannot fork {length} positions of a cache holding {self.length}")
+        other = KVCache.__new__(KVCache)
+        other.max_length = max_length
+        other.length = length
+        other._dims, other._head_dim, other._dtype = self._dims, self._head_dim, self._dtype
+        other._buffer = self._empty(min(max(length + _HEADROOM, 1), max(max_length, length)))
+        other._buffer[..., :length, :].copy_(self._buffer[..., :length, :])
+        return other
+
     def write_and_read(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, first: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,6 +112,10 @@ class LeanStage:
         spec = self.spec
         return KVCache(len(self.blocks), spec.kv_heads, spec.head_dim, ACT, max_length)
 
+    def fork_cache(self, cache: KVCache, length: int, max_length: int) -> KVCache | None:
+        """A copy of `cache`'s first `length` positions for another session."""
+        return cache.fork(length, max_length)
+
     def view(self, layers: LayerRange) -> LeanStage:
         """Layers [start, end) of this stage as a stage of their own, sharing the weights."""
         held = self.layers_range

@@ -17,7 +17,11 @@
 - `families.py`      which transformers classes build an exact-path stage
 - `stage.py`         `StageModule` (transformers modules, layers renumbered), `load_stage`
 - `runtime.py`       `Stage` (what a runtime runs), `StageRuntime`: sessions and samplers
-- `sampling.py`      `SamplingParams`, the filters, `Sampler`
+- `sampling.py`      `SamplingParams`, the filters, `Sampler`, seeds per position and choice
+- `grammar.py`       structured outputs (llguidance): `GrammarSpec`, `Constraint`
+- `token_bytes.py`   each token's bytes (logprobs' `bytes`)
+- `tool_prompt.py`   offering tools: checks, families, the prompt (template or fallback)
+- `tool_calls.py`    reading calls from a reply, whole or streamed
 - `text.py`          `TextCodec` (tokenizers + chat prompt), `IncrementalDetokenizer`,
                      `StopMatcher`; `chat_template.py` renders templates as transformers
 - `worker.py`        `TorchWorker`: the one thread that runs torch, typed jobs; waited on

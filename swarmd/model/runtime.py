@@ -40,6 +40,10 @@ class Stage(Protocol):
 
     def new_cache(self, max_length: int) -> Any: ...
 
+    def fork_cache(self, cache: Any, length: int, max_length: int) -> Any | None:
+        """A copy of `cache`'s first `length` positions (None: this cache cannot be cut)."""
+        ...
+
     def view(self, layers: LayerRange) -> Stage: ...
 
     def __call__(self, inputs: torch.Tensor, cache: Any, alone: bool = False) -> torch.Tensor:
@@ -73,6 +77,11 @@ class StageSession:
     length: int = 0
     tokens: list[int] | None = None  # the ids its cache holds (a whole-model session)
     prompt_length: int = 0  # of its prompt
+    prompt: tuple[int, ...] = ()  # its prompt ids (a whole-model session: forks check them)
+    # A whole-model session's logits at the end of its prompt, kept for forks (other
+    # replies to the prompt), and a fork's copy: its first step is answered from them.
+    prompt_logits: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -162,10 +171,12 @@ class StageRuntime:
         history: list[int] | None = None,
         layers: LayerRange | None = None,
         prompt: list[int] | None = None,
+        share: str | None = None,
     ) -> int:
         """Create a session over `layers` (default: all held); return how many tokens of
         `prompt` its cache already holds (reused from a finished conversation that began
-        with them: the caller prefills only the rest).
+        with them, or copied from the open session `share`, another reply to the same
+        prompt: the caller prefills only the rest).
 
         `history`: reply tokens already sampled (for the penalties), when a session is
         rebuilt after a failover.
@@ -185,7 +196,10 @@ class StageRuntime:
             sampler = Sampler(sampling, module.vocab_size, constraint)
             for token in history or []:
                 sampler.observe(token)
-        reused, cache = self._adopt(module, prompt, max_length)
+        pending = None
+        reused, cache, pending = self._fork(share, module, prompt, max_length)
+        if cache is None:
+            reused, cache = self._adopt(module, prompt, max_length)
         track = module.is_first and prompt is not None and self.prefix_tokens > 0
         self._sessions[session_id] = StageSession(
             session_id,
@@ -196,8 +210,31 @@ class StageRuntime:
             reused,
             list(prompt[:reused]) if track and prompt is not None else None,
             len(prompt or ()),
+            tuple(prompt or ()),
+            pending=pending,
         )
         return reused
+
+    def _fork(
+        self, share: str | None, module: Stage, prompt: list[int] | None, max_length: int
+    ) -> tuple[int, Any, torch.Tensor | None]:
+        """Another reply to the prompt of open session `share`: a copy of its cache holding
+        the whole prompt, and its logits there. The caller is told all but the last token
+        are cached and sends that one; its step is answered from the logits without a
+        forward, so the reply draws from exactly the numbers a fresh prefill gives.
+        (0, None, None) when `share` is not open on these layers with this prompt
+        prefilled: a fresh prefill."""
+        sibling = self._sessions.get(share) if share is not None else None
+        if sibling is None or sibling.module is not module or not prompt:
+            return 0, None, None
+        if sibling.prompt_logits is None or sibling.prompt != tuple(prompt):
+            return 0, None, None  # not prefilled yet, or another prompt
+        cache = module.fork_cache(sibling.cache, len(prompt), max_length)
+        if cache is None:
+            return 0, None, None
+        self.prefix_hits += 1
+        self.prefix_reused_tokens += len(prompt) - 1
+        return len(prompt) - 1, cache, sibling.prompt_logits
 
     def _adopt(self, module: Stage, prompt: list[int] | None, max_length: int) -> tuple[int, Any]:
         """The kept conversation `prompt` continues with the longest shared start, its cache
@@ -256,6 +293,9 @@ class StageRuntime:
                     )
                 if session.module.is_last and req.want_token and session.sampler is None:
                     raise InternalError(f"Session {req.session_id} has no sampling parameters")
+                if session.pending is not None:
+                    outcomes[i] = self._answer_fork(session, req)
+                    continue
             except SwarmError as exc:
                 outcomes[i] = exc
                 continue
@@ -264,6 +304,26 @@ class StageRuntime:
             for i, result in self._run_group(group):
                 outcomes[i] = result
         return [o if o is not None else InternalError("step not run") for o in outcomes]
+
+    def _answer_fork(self, session: StageSession, req: StepRequest) -> StepResult:
+        """A fork's first step: its prompt's last token, already in the copied cache."""
+        logits, session.pending = session.pending, None
+        if logits is None or req.inputs.tolist() != [[session.prompt[-1]]]:
+            raise InternalError(
+                f"Session {session.session_id}: a fork's first step is its prompt's last token"
+            )
+        session.length += 1
+        if session.tokens is not None:
+            session.tokens.append(session.prompt[-1])
+        drawn = None
+        if req.want_token and session.sampler is not None:
+            drawn = session.sampler.draw(logits.clone())  # the sibling's stay as they were
+        return StepResult(
+            None,
+            None if drawn is None else drawn.token,
+            0.0,
+            None if drawn is None else drawn.logprobs,
+        )
 
     def _run_group(
         self, group: list[tuple[int, StageSession, StepRequest]]
@@ -278,6 +338,8 @@ class StageRuntime:
                 session.tokens.extend(req.inputs[0].tolist())
             drawn = None
             if module.is_last and req.want_token and session.sampler is not None:
+                if module.is_first and session.length == session.prompt_length:
+                    session.prompt_logits = out[0].clone()  # for forks of this prompt
                 drawn = session.sampler.draw(out[0])
             sampled.append((i, out, drawn))
         elapsed = time.perf_counter() - started

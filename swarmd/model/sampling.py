@@ -125,6 +125,17 @@ def draw_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
+_CHOICE_SALT = 0x636F_6963_655F_6E00  # "choice_n": choice seeds never meet draw seeds
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with `seed` (`n` > 1): choice 0 keeps the
+    seed, so it is the reply the request would get alone; the others are their own draws."""
+    if index == 0:
+        return seed
+    return draw_seed(seed ^ _CHOICE_SALT, index) >> 1  # 63 bits: any stage's seed range
+
+
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """The drawn token's logprob and the `top` likeliest, from the logits drawn from."""
     logprobs = torch.log_softmax(logits, dim=-1)

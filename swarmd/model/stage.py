@@ -69,6 +69,15 @@ class StageModule(nn.Module):
         """A transformers cache; it grows as needed (`max_length` is the runtime's check)."""
         return DynamicCache(config=self.stage_config)
 
+    def fork_cache(self, cache: DynamicCache, length: int, max_length: int) -> DynamicCache | None:
+        """A copy of `cache` cut to its first `length` positions, or None where transformers
+        cannot cut it (a sliding-window layer that has dropped positions)."""
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            return None
+        copied = copy.deepcopy(cache)
+        copied.crop(length - cache.get_seq_length())  # transformers 5: how many to drop, < 0
+        return copied
+
     def view(self, layers: LayerRange) -> StageModule:
         """Layers [start, end) of this stage as a stage of their own, sharing the weights.
 

@@ -44,6 +44,7 @@ class OpenJob:
     history: tuple[int, ...] = ()  # reply tokens so far (a session rebuilt after failover)
     layers: LayerRange | None = None  # part of what this node holds; None = all
     prompt: tuple[int, ...] = ()  # the prompt ids (a whole-model session: prefix reuse)
+    share: str | None = None  # an open session of the same prompt whose cache to copy
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,7 @@ class TorchWorker:
                 list(job.history),
                 job.layers,
                 list(job.prompt) or None,
+                job.share,
             )
         return self.runtime.close(job.session_id)
 

@@ -33,9 +33,16 @@ class StageChain(Protocol):
         ...
 
     async def open(
-        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+        self,
+        session_id: str,
+        max_length: int,
+        sampling: SamplingParams,
+        prompt: list[int],
+        share: str | None = None,
     ) -> int:
-        """Open the session; how many leading prompt tokens its caches already hold."""
+        """Open the session; how many leading prompt tokens its caches already hold.
+        `share`: the session of another reply to the same prompt, whose caches may be
+        copied instead of prefilling again."""
         ...
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
@@ -65,12 +72,17 @@ class LocalChain:
         return True
 
     async def open(
-        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+        self,
+        session_id: str,
+        max_length: int,
+        sampling: SamplingParams,
+        prompt: list[int],
+        share: str | None = None,
     ) -> int:
         # Set before the await: if the caller times out while the worker opens it, close()
         # still frees it (the queue is FIFO, so the close runs after the open).
         self._session_id = session_id
-        job = OpenJob(session_id, max_length, sampling, prompt=tuple(prompt))
+        job = OpenJob(session_id, max_length, sampling, prompt=tuple(prompt), share=share)
         return int(await self._worker.run(job, self._timeout_s))
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:

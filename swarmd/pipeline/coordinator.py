@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.loader import LoadedModel
+from swarmd.model.sampling import SamplingParams
 from swarmd.model.worker import TorchWorker
 from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.chain import Hop, LocalChain, StageChain
@@ -72,13 +73,13 @@ class Coordinator:
             raise ModelNotFoundError(model_id, [self.model.model_id])
         return self.model
 
-    async def plan(self, need_tokens: int) -> StageChain:
+    async def plan(self, need_tokens: int, sampling: SamplingParams) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm."""
         model = self.model
         if model.is_whole:
             hop = Hop(self.short_id, model.layers)
             return LocalChain(self._worker, hop, self._limits.step_timeout_s)
-        route, records = await plan(self.swarm, self.chain_settings, need_tokens)
+        route, records = await plan(self.swarm, self.chain_settings, need_tokens, sampling)
         return DistributedChain(
             self.swarm, self.chain_settings, route, records, need_tokens, self.false_reports
         )
@@ -89,8 +90,10 @@ class Coordinator:
         request: GenerationRequest,
         timing: Timing,
         client_gone: Callable[[], bool] = lambda: False,
+        on_prefilled: Callable[[], None] | None = None,
     ) -> AsyncIterator[Generation]:
-        """Admit, route and run one request; log its DIAG line however it ends."""
+        """Admit, route and run one request; log its DIAG line however it ends.
+        `on_prefilled`: told when the prompt is in the caches (see `Generation`)."""
         gen: Generation | None = None
         error: BaseException | None = None
         acquired = False
@@ -118,7 +121,7 @@ class Coordinator:
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(need)
+            chain = await self.plan(need, request.sampling)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,
@@ -127,6 +130,7 @@ class Coordinator:
                 self._limits.prefill_chunk_tokens,
                 timing,
                 client_gone,
+                on_prefilled,
             )
             yield gen
         except BaseException as exc:

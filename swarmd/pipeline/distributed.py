@@ -82,13 +82,13 @@ class ChainSettings:
 
 
 async def plan(
-    access: SwarmAccess, settings: ChainSettings, need_tokens: int
+    access: SwarmAccess, settings: ChainSettings, need_tokens: int, sampling: SamplingParams
 ) -> tuple[Route, list[NodeRecord]]:
     """The best route for a new request and the holders' records it came from.
 
     NoRouteError when the holders do not cover every layer.
     """
-    records = await access.holders(settings.model_id)
+    records = await holders_for(access, settings.model_id, sampling)
     holds = route_capacity(records, settings.num_layers, access.banned())
     if holds is not None and need_tokens > holds:
         raise needs_more_than(need_tokens, holds)
@@ -102,6 +102,15 @@ async def plan(
         need_tokens=need_tokens,
     )
     return route, records
+
+
+async def holders_for(
+    access: SwarmAccess, model_id: str, sampling: SamplingParams
+) -> list[NodeRecord]:
+    """The holders of `model_id` whose stages read what this request's open frame carries
+    (a stage of an older swarmd would refuse it and ban this node)."""
+    records = await access.holders(model_id)
+    return [r for r in records if wire.reads_sampling(r.version, sampling)]
 
 
 def route_capacity(records: list[NodeRecord], num_layers: int, banned: set[str]) -> int | None:
@@ -159,8 +168,14 @@ class DistributedChain:
         return False
 
     async def open(
-        self, session_id: str, max_length: int, sampling: SamplingParams, prompt: list[int]
+        self,
+        session_id: str,
+        max_length: int,
+        sampling: SamplingParams,
+        prompt: list[int],
+        share: str | None = None,
     ) -> int:
+        # `share` is a one-node route's: stages of a ring hold no copyable caches (yet).
         self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
         await self._with_failover(None, False)
         return 0  # prefix reuse is a one-node route's for now: every stage prefills
@@ -259,7 +274,8 @@ class DistributedChain:
             peer = None  # a link to this node failed: the route is retried, nobody banned
         if not await self._blame(exc, peer):
             peer = None  # nobody's stage to replace: the route is planned afresh
-        self._records = await self._access.holders(self._settings.model_id)
+        sent = self._sampling or SamplingParams()  # before open(): nothing new to read
+        self._records = await holders_for(self._access, self._settings.model_id, sent)
         old = self.route
         try:
             self.route = self._replan(peer)

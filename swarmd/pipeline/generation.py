@@ -28,6 +28,9 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
+    # The request id of another reply to this prompt (a choice of `n`) whose prefilled
+    # caches this one may copy, on a route that can.
+    share: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,11 @@ class Generation:
         chunk: int,
         timing: Timing,
         client_gone: Callable[[], bool] = lambda: False,
+        on_prefilled: Callable[[], None] | None = None,
     ) -> None:
+        """`on_prefilled`: called once the prompt is in the caches (the first token drawn)."""
         self.request = request
+        self._on_prefilled = on_prefilled
         self._client_gone = client_gone
         self.chain = chain
         self.timing = timing
@@ -89,9 +95,11 @@ class Generation:
         stops = StopMatcher(req.stop)
         max_length = len(req.prompt_ids) + req.max_tokens
         self.cached_tokens = await self.chain.open(
-            req.request_id, max_length, req.sampling, req.prompt_ids
+            req.request_id, max_length, req.sampling, req.prompt_ids, req.share
         )
         drawn = await self._prefill()
+        if self._on_prefilled is not None:
+            self._on_prefilled()
         self.timing.ttft_s = self.timing.since_received()
         first_token_at = last_token_at = time.perf_counter()
         pending: list[tuple[int, TokenLogprobs]] = []

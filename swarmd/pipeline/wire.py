@@ -49,6 +49,7 @@ limits (route order, hop, vocabulary, shape against bytes) and, last, the refusa
 
 from __future__ import annotations
 
+import re
 import string
 from dataclasses import dataclass
 from typing import Any
@@ -290,6 +291,34 @@ def _read(schema: Schema, frame: Any) -> dict[str, Any]:
 
 def ints_to_bytes(values: list[int] | tuple[int, ...]) -> bytes:
     return torch.tensor(list(values), dtype=torch.int32).numpy().tobytes()
+
+
+# Optional `sampling` keys and the swarmd version whose stages first read them. An older
+# stage refuses a frame holding one as malformed (and bans its sender), so a request that
+# needs one is routed only through stages whose records say they read it.
+SAMPLING_KEYS_SINCE: dict[str, tuple[int, ...]] = {"top_logprobs": (0, 2), "grammar": (0, 2)}
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """ "0.2.0" -> (0, 2, 0); each part's leading digits ("1rc2" -> 1); unreadable: (0,)."""
+    parts: list[int] = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts) or (0,)
+
+
+def reads_sampling(version: str, sampling: SamplingParams) -> bool:
+    """Whether a stage of swarmd `version` reads every optional key `sampling` travels with."""
+    present = [
+        key
+        for key, value in (("top_logprobs", sampling.top_logprobs), ("grammar", sampling.grammar))
+        if value is not None
+    ]
+    have = version_tuple(version)
+    return all(have >= SAMPLING_KEYS_SINCE[key] for key in present)
 
 
 def open_frame(req: OpenRequest) -> dict[str, Any]:

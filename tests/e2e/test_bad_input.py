@@ -55,7 +55,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ),
     ("stop as number", "chat", chat(stop=5), 400, "stop", "invalid_value"),
     ("unknown field", "chat", chat(bogus=1), 400, "bogus", "invalid_value"),
-    ("n 2", "chat", chat(n=2), 400, "n", "unsupported_parameter"),
+    ("n 9", "chat", chat(n=9), 400, "n", "invalid_value"),
+    ("n 0", "text", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "invalid_value"),
     (
         "tool without a name",
         "chat",

@@ -266,6 +266,24 @@ def test_structured_replies_at_once_through_three_stages_equal_their_single_node
     assert content and all(len(e["top_logprobs"]) == 3 for e in content)
 
 
+def test_n_choices_through_three_stages_equal_the_single_nodes(
+    three_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    """`n` through a pipeline: every choice prefills on the stages, while the single node
+    copies choice 0's prompt; each choice is the same seeded draw either way."""
+    body = {**chat_body("Write a short line about rivers.", 16), "temperature": 0.9}
+    body.update(seed=4242, n=3)
+    alone, _ = complete(embedded_node, body)
+    piped, headers = complete(three_stages["b"], body)
+    assert headers["x-swarm-route"] == "distributed"
+    assert [c["index"] for c in piped["choices"]] == [0, 1, 2]
+    ids = [c["token_ids"] for c in piped["choices"]]
+    assert ids == [c["token_ids"] for c in alone["choices"]]
+    assert len({tuple(t) for t in ids}) == 3  # three seeds, three replies
+    assert piped["usage"]["completion_tokens"] == sum(len(t) for t in ids)
+    assert [s["route"] for s in piped["swarm"]["choices"]] == ["distributed"] * 3
+
+
 # --- failover ---------------------------------------------------------------------------
 
 

@@ -100,6 +100,7 @@ async def test_a_streamed_call_accumulates_to_the_whole_ones_arguments(
     ]
     stream = await api.chat.completions.create(**asked, stream=True)
     calls: dict[int, dict[str, str]] = {}
+    pieces = 0
     finish = None
     async for chunk in stream:
         if not chunk.choices:
@@ -112,9 +113,13 @@ async def test_a_streamed_call_accumulates_to_the_whole_ones_arguments(
                 calls[delta.index] = {"name": delta.function.name, "arguments": ""}
             else:
                 assert delta.id is None
-            calls[delta.index]["arguments"] += (delta.function and delta.function.arguments) or ""
+            piece = (delta.function and delta.function.arguments) or ""
+            calls[delta.index]["arguments"] += piece
+            pieces += bool(piece)
     got = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
     assert got == want and finish == "tool_calls"
+    # Constrained to calls: the arguments stream as they are written, not in one piece.
+    assert pieces > 1
 
 
 async def test_none_never_calls(api: openai.AsyncOpenAI) -> None:

@@ -10,6 +10,7 @@ the teller is the one banned. A refusal of what the request asked is a 4xx, no f
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +21,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.errors import (
     InvalidRequestError,
     KVRoomError,
+    NoRouteError,
     PeerError,
     StageFailedError,
     SwarmError,
@@ -28,7 +30,7 @@ from swarmd.errors import (
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline import ring as ring_module
 from swarmd.pipeline import wire
-from swarmd.pipeline.distributed import ChainSettings, DistributedChain
+from swarmd.pipeline.distributed import ChainSettings, DistributedChain, plan
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.route import Route, plan_route
@@ -327,3 +329,36 @@ def test_a_declined_report_only_leaves_its_stage_out(monkeypatch: pytest.MonkeyP
     error, pinged = judge(monkeypatch, ring, wire.fail_frame(HONEST, "busy", "declined"), "up")
     assert isinstance(error, StageFailedError) and not isinstance(error, UnconfirmedReportError)
     assert (error.peer_id, error.kind, pinged) == (HONEST, "declined", [])
+
+
+def test_a_request_the_older_stages_cannot_read_is_planned_around_them() -> None:
+    """A stage of an older swarmd would refuse the open frame of a request with logprobs
+    or a grammar (and ban this node): such a request, and its failover, use only stages
+    that read it; a plain request still uses the old ones."""
+    old = [
+        replace(r, version="0.1.0" if r.peer_id in (LIAR, HONEST) else "0.2.0") for r in RECORDS
+    ]
+    swarm = FakeSwarm(old)
+    plain = SamplingParams(temperature=0.0)
+    asks = SamplingParams(temperature=0.0, top_logprobs=2)
+
+    async def run() -> None:
+        route, _ = await plan(swarm, SETTINGS, 100, plain)
+        assert route.peers == (LIAR, HONEST, LAST)  # the faster holders
+        route, records = await plan(swarm, SETTINGS, 100, asks)
+        assert route.peers == (FIRST2, HONEST2, LAST)
+        chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
+        chain._sampling = asks
+        # HONEST2 declines: the only other holder of 10:20 is old, so there is no route
+        # (a plain request's failover would take HONEST).
+        with pytest.raises(NoRouteError):
+            await chain._fail_over(StageFailedError("busy", HONEST2, "declined"))
+        chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
+        chain._sampling = plain
+        await chain._fail_over(StageFailedError("busy", HONEST2, "declined"))
+        assert chain.route.peers == (FIRST2, HONEST, LAST)  # only the decliner replaced
+        swarm.records = [r for r in old if r.peer_id != HONEST2]
+        with pytest.raises(NoRouteError):  # only an old stage holds 10:20
+            await plan(swarm, SETTINGS, 100, asks)
+
+    asyncio.run(run())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -328,3 +329,49 @@ def test_two_conversations_continue_at_once_each_from_its_own_cache(tmp_path: Pa
         fresh.open("f", 96, greedy)
         assert fresh.step("f", torch.tensor([turn]), True).token == outcomes[i].token
     assert runtime.prefix_hits == 2
+
+
+@pytest.mark.parametrize("engine", ["lean", "transformers"])
+def test_a_choice_copies_its_siblings_prefilled_prompt(engine: str, tmp_path: Path) -> None:
+    """`n` choices: a session opened with `share` gets a copy of the open sibling's cache
+    and its logits at the prompt's end; its first step is answered from them, so its
+    seeded reply is exactly a fresh prefill's, and the sibling is not disturbed."""
+    from swarmd.errors import InternalError
+    from swarmd.model.runtime import StageRuntime
+    from swarmd.model.sampling import SamplingParams
+    from swarmd.model.stage import load_stage
+
+    path, _ = make_tiny("llama", tmp_path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    if engine == "lean":
+        stage: Any = lean(path)
+    else:
+        stage = load_stage(path, config, LayerRange(0, config.num_hidden_layers), torch.float32)
+    runtime = StageRuntime(stage, max_sessions=5)
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=1.0, seed=99)
+    ids = prompt(20, seed=61)[0].tolist()
+
+    def reply(rt: StageRuntime, sid: str, first: list[int], steps: int) -> list[int]:
+        tokens = [rt.step(sid, torch.tensor([first]), True).token]
+        for _ in range(steps):
+            tokens.append(rt.step(sid, torch.tensor([[tokens[-1]]]), True).token)
+        return tokens
+
+    assert runtime.open("c0", 64, greedy, prompt=ids, share="missing") == 0
+    assert runtime.open("early", 64, greedy, prompt=ids, share="c0") == 0  # not prefilled
+    c0 = reply(runtime, "c0", ids, 3)  # the sibling decodes on past its prompt
+    other = [*ids[:-1], 5]  # another prompt: no copy
+    assert runtime.open("other", 64, greedy, prompt=other, share="c0") == 0
+    assert runtime.open("c1", 64, sampled, prompt=ids, share="c0") == len(ids) - 1
+    c1 = reply(runtime, "c1", ids[-1:], 5)
+    assert runtime.open("c2", 64, greedy, prompt=ids, share="c0") == len(ids) - 1
+    with pytest.raises(InternalError):  # a fork's first step is its prompt's last token
+        runtime.step("c2", torch.tensor([[ids[0]]]), True)
+    c0 += reply(runtime, "c0", [c0[-1]], 1)[1:]
+    fresh = StageRuntime(stage, max_sessions=2)
+    fresh.open("g", 64, greedy)
+    fresh.open("s", 64, sampled)
+    assert c0 == reply(fresh, "g", ids, 4)  # the copies took nothing from the sibling
+    assert c1 == reply(fresh, "s", ids, 5)  # the seeded fork is a fresh prefill's reply
+    assert runtime.prefix_hits == 2 and runtime.prefix_reused_tokens == 2 * (len(ids) - 1)

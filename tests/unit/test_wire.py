@@ -1019,3 +1019,31 @@ def test_garbage_in_sampling_wins_over_a_bound_the_request_broke() -> None:
     malformed(lambda: parse_open(frame, LIMITS), "logit_bias value")
     frame = sampling_dict(top_k=-3, logit_bias=None)
     malformed(lambda: parse_open(frame, LIMITS), "logit_bias")
+
+
+@pytest.mark.parametrize(
+    ("version", "parsed"),
+    [("0.2.0", (0, 2, 0)), ("1.10", (1, 10)), ("0.3.0rc1", (0, 3, 0)), ("dev", (0,)), ("", (0,))],
+)
+def test_versions_are_read_part_by_part(version: str, parsed: tuple[int, ...]) -> None:
+    assert stage_wire.version_tuple(version) == parsed
+
+
+def test_a_request_with_new_sampling_keys_needs_a_stage_that_reads_them() -> None:
+    """An older stage refuses a frame with keys it does not know (and bans its sender):
+    such a request is planned only through stages whose version reads them, a plain one
+    through any."""
+    plain = SamplingParams(temperature=0.7, seed=3)
+    logprobs = SamplingParams(temperature=0.7, seed=3, top_logprobs=0)
+    grammar = SamplingParams(grammar=GrammarSpec("json_object", ""))
+    for sampling in (plain, logprobs, grammar):
+        assert stage_wire.reads_sampling("0.2.0", sampling)
+        assert stage_wire.reads_sampling("1.0.0", sampling)
+    assert stage_wire.reads_sampling("0.1.0", plain)
+    assert not stage_wire.reads_sampling("0.1.0", logprobs)
+    assert not stage_wire.reads_sampling("0.1.9", grammar)
+    assert not stage_wire.reads_sampling("garbage", grammar)
+    # Every optional key the frame may carry has a version, so none is sent unchecked.
+    full = open_frame(make_request())["sampling"]  # every optional key set
+    bare = open_frame(make_request(sampling=plain))["sampling"]
+    assert set(full) - set(bare) == set(stage_wire.SAMPLING_KEYS_SINCE)

@@ -39,6 +39,7 @@ class FakeRuntime:
         history: list[int] | None = None,
         layers: LayerRange | None = None,
         prompt: list[int] | None = None,
+        share: str | None = None,
     ) -> int:
         self.calls.append(("open", session_id, threading.current_thread().name))
         return 0
