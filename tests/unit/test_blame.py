@@ -335,9 +335,7 @@ def test_a_request_the_older_stages_cannot_read_is_planned_around_them() -> None
     """A stage of an older swarmd would refuse the open frame of a request with logprobs
     or a grammar (and ban this node): such a request, and its failover, use only stages
     that read it; a plain request still uses the old ones."""
-    old = [
-        replace(r, version="0.1.0" if r.peer_id in (LIAR, HONEST) else "0.2.0") for r in RECORDS
-    ]
+    old = [replace(r, version="0.1.0" if r.peer_id in (LIAR, HONEST) else "0.2.0") for r in RECORDS]
     swarm = FakeSwarm(old)
     plain = SamplingParams(temperature=0.0)
     asks = SamplingParams(temperature=0.0, top_logprobs=2)
