@@ -16,6 +16,11 @@ import pytest
 
 from tests.integration.conftest import NodeFactory
 
+
+def small_int(lo: int, hi: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
 SCHEMAS: list[dict[str, Any]] = [
     {
         "type": "object",
@@ -69,6 +74,152 @@ SCHEMAS: list[dict[str, Any]] = [
         },
         "required": ["steps", "done"],
     },
+    {
+        "type": "object",
+        "properties": {
+            "price": {"type": "integer", "minimum": 0, "maximum": 100},
+            "currency": {"enum": ["EUR", "USD"]},
+        },
+        "required": ["price", "currency"],
+    },
+    {  # only optional keys
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 5}, "b": small_int(0, 9)},
+    },
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"id": small_int(1, 99), "ok": {"type": "boolean"}},
+                    "required": ["id"],
+                },
+                "minItems": 2,
+                "maxItems": 3,
+            }
+        },
+        "required": ["items"],
+    },
+    {  # three levels deep
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"c": small_int(0, 5)},
+                        "required": ["c"],
+                    }
+                },
+                "required": ["b"],
+            }
+        },
+        "required": ["a"],
+    },
+    {
+        "type": "object",
+        "properties": {"kind": {"const": "point"}, "x": small_int(-9, 9)},
+        "required": ["kind", "x"],
+    },
+    {
+        "type": "object",
+        "properties": {"value": {"anyOf": [small_int(0, 9), {"type": "string", "maxLength": 4}]}},
+        "required": ["value"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "rgb": {"type": "array", "items": small_int(0, 255), "minItems": 3, "maxItems": 3}
+        },
+        "required": ["rgb"],
+    },
+    {  # an array at the top
+        "type": "array",
+        "items": small_int(0, 9),
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    {
+        "type": "object",
+        "properties": {"flag": {"type": "boolean"}, "note": {"type": "null"}},
+        "required": ["flag", "note"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+            "day": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        },
+        "required": ["code", "day"],
+    },
+    {
+        "$defs": {
+            "pt": {
+                "type": "object",
+                "properties": {"x": small_int(0, 9), "y": small_int(0, 9)},
+                "required": ["x", "y"],
+            }
+        },
+        "type": "object",
+        "properties": {"from": {"$ref": "#/$defs/pt"}, "to": {"$ref": "#/$defs/pt"}},
+        "required": ["from", "to"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "matrix": {
+                "type": "array",
+                "items": {
+                    "type": "array",
+                    "items": small_int(0, 9),
+                    "minItems": 2,
+                    "maxItems": 2,
+                },
+                "minItems": 2,
+                "maxItems": 2,
+            }
+        },
+        "required": ["matrix"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "shape": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "circle"}, "r": small_int(1, 9)},
+                        "required": ["kind", "r"],
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "square"}, "side": small_int(1, 9)},
+                        "required": ["kind", "side"],
+                    },
+                ]
+            }
+        },
+        "required": ["shape"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "word": {"type": "string", "minLength": 3, "maxLength": 6},
+            "count": small_int(10, 20),
+        },
+        "required": ["word", "count"],
+    },
+    {  # an optional nested object next to a bounded array
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 2},
+            "meta": {"type": "object", "properties": {"v": small_int(1, 3)}},
+        },
+        "required": ["tags"],
+    },
 ]
 
 
@@ -104,6 +255,34 @@ async def test_every_schema_gives_a_reply_that_validates(
         )
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", (i, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+async def test_fractional_numbers_validate_in_sampled_replies(api: openai.AsyncOpenAI) -> None:
+    """A number's fraction has no length bound in a grammar: greedy noise writes digits to
+    `max_tokens` (as it would a free string), but a sampled reply ends and validates."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 100},
+            "delta": {"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": 1},
+        },
+        "required": ["price", "delta"],
+    }
+    for seed in range(4):
+        reply = await api.chat.completions.create(
+            model="tiny",
+            messages=messages(),  # type: ignore[arg-type]
+            temperature=1.0,
+            seed=seed,
+            max_tokens=200,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": schema, "strict": True},
+            },
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
