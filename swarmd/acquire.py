@@ -19,7 +19,6 @@ blocks: the node calls it from its start-up thread.
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,24 +29,23 @@ from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.dht.swarm import SwarmPresence, SwarmSettings
 from swarmd.dtypes import AUTO, default_compute_dtype, label_formats
-from swarmd.errors import FetchError, ManifestError, ModelNotFoundError, PeerError, SwarmError
+from swarmd.errors import FetchError, ModelNotFoundError, SwarmError
 from swarmd.model.hashing import missing_files
 from swarmd.model.layers import LayerRange
-from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from swarmd.model.manifest import MANIFEST_FILE, Manifest
 from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
-from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, exclusive, resolve_model
+from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, resolve_model
 from swarmd.net.identity import Identity
 from swarmd.net.progress import RichProgress
 from swarmd.pipeline.placement import Placement, choose_layers
-from swarmd.transfer.fetch import Fetcher, FetchSettings
-from swarmd.transfer.files import call_manifest
+from swarmd.transfer.fetch import FetchSettings
+from swarmd.transfer.take import fetch_folder, fetch_missing, folder_stem, take_manifest
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_SHARE = 0.8  # of the memory budget; the rest is for KV caches and activations
 JOIN_TIMEOUT_S = 60.0
 MAX_EXTRA_BOOTSTRAP = 8  # holders met while fetching, added to the bootstrap peers
-_SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
@@ -120,22 +118,13 @@ def _without_swarm(config: Config, local: ModelSource | None, cache_dir: Path) -
 def _cached(model_id: str, cache_dir: Path) -> ModelSource | None:
     """The most recently fetched manifest of `model_id` in the cache, if any."""
     found = sorted(
-        (cache_dir / "shards").glob(f"{_folder_stem(model_id)}-*/{MANIFEST_FILE}"),
+        (cache_dir / "shards").glob(f"{folder_stem(model_id)}-*/{MANIFEST_FILE}"),
         key=lambda p: p.stat().st_mtime,
     )
     if not found:
         return None
     source = resolve_model(str(found[-1]), cache_dir)
     return source if source.model_id == model_id else None
-
-
-def _fetch_folder(cache_dir: Path, model_id: str, content_id: str) -> Path:
-    return cache_dir / "shards" / f"{_folder_stem(model_id)}-{content_id[:16]}"
-
-
-def _folder_stem(model_id: str) -> str:
-    """A model id as the start of a folder name in the cache."""
-    return _SAFE_ID.sub("-", model_id)
 
 
 def _place(
@@ -245,7 +234,7 @@ class _SwarmJob:
             manifest, folder = local_manifest, self._local.model_dir  # type: ignore[union-attr]
         else:
             manifest = await self._take_manifest(model_id, records)
-            folder = _fetch_folder(self._cache_dir, model_id, manifest.content_id)
+            folder = fetch_folder(self._cache_dir, model_id, manifest.content_id)
         same = [r for r in records if r.model_hash == manifest.content_id]
         layers = self._config.layers
         if layers == "auto":
@@ -274,55 +263,25 @@ class _SwarmJob:
                 content_id[:16],
                 count,
             )
-        for record in records:
-            if record.model_hash != content_id:
-                continue
-            try:
-                raw = await call_manifest(self._presence.host, record.peer_id, content_id)
-                manifest = parse_manifest(raw, expected_id=content_id)
-            except PeerError as exc:
-                log.warning("no manifest from %s: %s", record.peer_id[-8:], exc)
-                continue
-            except ManifestError as exc:
-                await self._presence.ban(record.peer_id, f"sent a bad manifest: {exc}")
-                continue
-            folder = _fetch_folder(self._cache_dir, model_id, content_id)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / MANIFEST_FILE).write_bytes(manifest.to_json())
-            log.info(
-                "took the manifest of %s (%s) from %s",
-                model_id,
-                content_id[:16],
-                record.peer_id[-8:],
-            )
-            return manifest
-        raise FetchError(f"No holder of {model_id} ({content_id[:12]}) sent its manifest")
+        return await take_manifest(
+            self._presence.host, records, model_id, content_id, self._cache_dir, self._presence.ban
+        )
 
     async def _fetch(
         self, manifest: Manifest, folder: Path, model_id: str, wanted: LayerRange
     ) -> None:
-        entries = missing_files(folder, manifest.files_for(wanted))
-        if not entries:
+        entries = manifest.files_for(wanted)
+        if not missing_files(folder, entries):
             return
-        total = sum(e.bytes for e in entries)
-        log.info(
-            "fetching %d file(s), %.1f MB, of %s layers %s from the swarm",
-            len(entries),
-            total / 1e6,
-            model_id,
-            wanted,
-        )
-
         settings = FetchSettings(deadline_s=self._config.fetch_timeout_s)
-        # Two local nodes may fetch into one cache: one fetches, the other finds the files.
-        with exclusive(folder.parent / f"{folder.name}.lock"), RichProgress() as progress:
-            fetcher = Fetcher(
+        with RichProgress() as progress:
+            await fetch_missing(
                 self._presence.host,
                 manifest,
                 folder,
+                entries,
                 lambda: self._holders(model_id),
                 self._presence.ban,
                 settings,
                 progress,
             )
-            await fetcher.fetch(entries)

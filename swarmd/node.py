@@ -30,8 +30,10 @@ from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.dht.swarm import SwarmPresence, SwarmSettings
-from swarmd.errors import ConfigError, InternalError, SwarmError
+from swarmd.errors import ConfigError, InternalError, ManifestError, SwarmError
+from swarmd.model.common import CommonModel, Variant
 from swarmd.model.loader import LoadedModel, load_model
+from swarmd.model.manifest import MANIFEST_FILE, parse_manifest
 from swarmd.model.memory import (
     auto_kv_budget_tokens,
     keep_large_blocks_returnable,
@@ -39,6 +41,7 @@ from swarmd.model.memory import (
     release_free_heap,
 )
 from swarmd.model.runtime import StageRuntime
+from swarmd.model.source import ModelSource
 from swarmd.model.threads import keep_this_thread_single_threaded, physical_cores
 from swarmd.model.worker import TorchWorker
 from swarmd.model.worker_trio import run_job
@@ -53,8 +56,11 @@ from swarmd.pipeline.distributed import ChainSettings
 from swarmd.pipeline.report import FailureRing
 from swarmd.pipeline.ring import RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
+from swarmd.pipeline.variants import choose_variant
 from swarmd.pipeline.wire import StageLimits
+from swarmd.transfer.fetch import FetchSettings
 from swarmd.transfer.files import FileServer, FileServeSettings
+from swarmd.transfer.take import fetch_folder, fetch_missing, take_manifest
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +135,14 @@ class Node:
             ),
         )
         self.coordinator = Coordinator(
-            model, self.worker, identity.short_id, limits, self, chain_settings, self.kv_budget
+            model,
+            self.worker,
+            identity.short_id,
+            limits,
+            self,
+            chain_settings,
+            self.kv_budget,
+            finder=self,
         )
         self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
@@ -145,6 +158,9 @@ class Node:
         self.started_wall = time.time()
         self.api_url = ""
         self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
+        # The models of the swarm this node coordinates without holding layers of them.
+        self._common: dict[str, CommonModel] = {}
+        self._common_locks: dict[str, asyncio.Lock] = {}
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
@@ -268,17 +284,76 @@ class Node:
         # Only holders of the same weights, split the same way (the same manifest, or
         # none on both sides), held in the same format and computed in the same dtype: a
         # hidden state means nothing to other weights, and a reply stays the one a
-        # single node of this kind gives.
+        # single node of this kind gives. A model this node coordinates without layers:
+        # the variant it chose (all of them until it has).
         model = self.model
-        records = [
-            r
-            for r in records
-            if r.model_hash == model.source.content_id
-            and r.weights == model.weights
-            and r.dtype == model.dtype_name
-        ]
+        if model_id == model.model_id:
+            variant = Variant(model.source.content_id, model.weights, model.dtype_name)
+        else:
+            common = self._common.get(model_id)
+            variant = common.variant if common is not None else None
+        if variant is not None:
+            records = [
+                r
+                for r in records
+                if r.model_hash == variant.content_id
+                and r.weights == variant.weights
+                and r.dtype == variant.dtype_name
+            ]
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
+
+    async def common_model(self, model_id: str) -> CommonModel:
+        """A model of the swarm this node holds no layers of (`ModelFinder`): the variant
+        its holders agree on, and its common files taken from them once (then from the
+        cache, hashed again at first use)."""
+        known = self._common.get(model_id)
+        if known is not None:
+            return known
+        lock = self._common_locks.setdefault(model_id, asyncio.Lock())
+        async with lock:  # concurrent first requests take the files once
+            known = self._common.get(model_id)
+            if known is not None:
+                return known
+            records = await self.bridge.run(self.swarm.holders, model_id)
+            variant = choose_variant(model_id, records, [self.model.model_id])
+            source = await self.bridge.run(self._take_common, model_id, variant, records)
+            model = await asyncio.to_thread(CommonModel.load, source, variant)
+            log.info(
+                "coordinating %s (%s, %s weights, %s) from the swarm's holders",
+                model_id,
+                variant.content_id[:16],
+                variant.weights,
+                variant.dtype_name,
+            )
+            self._common[model_id] = model
+            self._holders_cache.pop(model_id, None)  # from now on, filtered by the variant
+            return model
+
+    async def _take_common(
+        self, model_id: str, variant: Variant, records: list[NodeRecord]
+    ) -> ModelSource:
+        """Trio side: the manifest and common files of `variant`, in the cache folder."""
+        host = self.swarm.host
+        cache_dir = Path(self.config.cache_dir)
+        holders = [r for r in records if r.model_hash == variant.content_id]
+        folder = fetch_folder(cache_dir, model_id, variant.content_id)
+        try:  # taken before (the files are hashed again when loaded)
+            raw = (folder / MANIFEST_FILE).read_bytes()
+            manifest = parse_manifest(raw, expected_id=variant.content_id)
+        except (OSError, ManifestError):
+            manifest = await take_manifest(
+                host, holders, model_id, variant.content_id, cache_dir, self.swarm.ban
+            )
+
+        async def lookup() -> list[NodeRecord]:
+            found = await self.swarm.holders(model_id)
+            return [r for r in found if r.model_hash == variant.content_id]
+
+        settings = FetchSettings(deadline_s=self.config.fetch_timeout_s)
+        wanted = list(manifest.files)
+        await fetch_missing(host, manifest, folder, wanted, lookup, self.swarm.ban, settings)
+        return ModelSource(model_id, folder, manifest)
 
     def swarm_state(self) -> str:
         """ "ready", or "stopped: <why>" when the swarm layer has failed."""

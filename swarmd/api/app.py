@@ -19,7 +19,7 @@ from swarmd.api.diagnostics import build_report
 from swarmd.api.errors import Handler, error_middleware
 from swarmd.api.metrics import CONTENT_TYPE
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import SwarmError
+from swarmd.errors import ModelNotFoundError, SwarmError
 
 if TYPE_CHECKING:
     from swarmd.node import Node
@@ -143,7 +143,9 @@ async def models(request: web.Request) -> web.Response:
 
 async def model_detail(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
-    node.coordinator.resolve(request.match_info["model"])  # 404 for an unknown id
+    model_id = request.match_info["model"]
+    if model_id != node.model.model_id:
+        raise ModelNotFoundError(model_id, [node.model.model_id])
     return web.json_response(await _model_entry(node))
 
 

@@ -53,7 +53,8 @@ class Choices:
         self._client_gone = client_gone
         self._prefilled = asyncio.Event()  # choice 0's prompt is in the caches (or never will be)
         # Only a one-node route copies caches: elsewhere waiting would only delay the rest.
-        self._wait = coordinator.model.is_whole and len(requests) > 1
+        whole = coordinator.routed(requests[0].model_id).is_whole
+        self._wait = whole and len(requests) > 1
 
     @property
     def n(self) -> int:

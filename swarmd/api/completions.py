@@ -32,7 +32,6 @@ from swarmd.errors import (
     SwarmError,
 )
 from swarmd.model.grammar import GrammarSpec, ToolCallFormat
-from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams, random_seed
 from swarmd.model.tool_calls import StreamEvent, ToolCallStreamer, parse_tool_calls
 from swarmd.model.tool_prompt import (
@@ -42,7 +41,7 @@ from swarmd.model.tool_prompt import (
     render_tools_prompt,
     tool_call_format,
 )
-from swarmd.pipeline.coordinator import Coordinator
+from swarmd.pipeline.coordinator import Coordinator, Routed
 from swarmd.pipeline.generation import Delta, Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, ms
 
@@ -205,7 +204,7 @@ def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_p
 
 def _sampling(
     req: SamplingFields,
-    model: LoadedModel,
+    model: Routed,
     default_temperature: float,
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
@@ -216,7 +215,7 @@ def _sampling(
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=req.logit_bias_ids(model.stage.vocab_size),
+        logit_bias=req.logit_bias_ids(model.vocab_size),
         # A seed for every reply, so that a failover draws what the lost stage would have.
         seed=random_seed() if req.seed is None else req.seed,
         top_logprobs=req.wants_logprobs(),
@@ -224,7 +223,7 @@ def _sampling(
     )
 
 
-def _chat_prompt(req: ChatCompletionRequest, model: LoadedModel) -> list[int]:
+def _chat_prompt(req: ChatCompletionRequest, model: Routed) -> list[int]:
     if not model.codec.has_chat_template:
         raise InvalidRequestError(
             f"Model '{model.model_id}' has no chat template; use /v1/completions", "model"
@@ -247,9 +246,7 @@ class _Tools:
         return self.grammar is not None
 
 
-def _tools_prompt(
-    req: ChatCompletionRequest, model: LoadedModel
-) -> tuple[list[int], _Tools | None]:
+def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int], _Tools | None]:
     """The prompt of a conversation with tools (or tool turns); the plan for the reply
     (None when no tool may be called: `tool_choice: "none"`, or no tools offered)."""
     codec = model.codec
@@ -283,14 +280,14 @@ def _tools_prompt(
     return ids, _Tools(fmt, frozenset(names), grammar)
 
 
-def _text_prompt(req: CompletionRequest, model: LoadedModel) -> list[int]:
+def _text_prompt(req: CompletionRequest, model: Routed) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return model.codec.encode(prompt)
     if isinstance(prompt[0], str):
         return model.codec.encode(str(prompt[0]))
     ids = [int(t) for t in prompt]
-    vocab = model.stage.vocab_size
+    vocab = model.vocab_size
     if any(t >= vocab for t in ids):
         raise InvalidRequestError(f"Prompt token ids must be below {vocab}", "prompt")
     return ids
@@ -319,7 +316,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = validate(CompletionRequest, body)
         model_name = req.model
         req.check_supported()
-        model = coordinator.resolve(req.model)
+        model = await coordinator.resolve(req.model)
         # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
         tools: _Tools | None = None
         if isinstance(req, ChatCompletionRequest) and req.uses_tools():
@@ -338,7 +335,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             param = "prompt"
         grammar = tools.grammar if tools is not None and tools.grammar else req.grammar()
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
-            await asyncio.to_thread(model.constraint, grammar)
+            await asyncio.to_thread(model.check_grammar, grammar)
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
         room = coordinator.kv_budget.total - len(prompt_ids)
         if req.token_limit() is None and model.is_whole and room >= 1:

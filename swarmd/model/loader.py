@@ -83,6 +83,10 @@ class LoadedModel:
         by the first request with a grammar."""
         return Vocabulary(self.codec.tokenizer, self.vocab_size, self.codec.eos_ids)
 
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` (cached): a 400 naming its parameter if it does not."""
+        compile_grammar(spec, self.grammar_vocabulary)
+
     def constraint(self, spec: GrammarSpec) -> Constraint:
         """A fresh state of `spec` for one reply (compiled once, then cached)."""
         return Constraint(compile_grammar(spec, self.grammar_vocabulary))

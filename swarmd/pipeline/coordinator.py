@@ -1,8 +1,10 @@
 """`Coordinator`: admits a request, picks its route, runs it, and reports it.
 
-The node that receives an API request coordinates it. A node holding the whole model
-answers locally (`LocalChain`); otherwise it plans a route over the swarm's holders and
-runs a `DistributedChain` (with failover) on it.
+The node that receives an API request coordinates it, for any model of the swarm. A
+node holding the whole model answers locally (`LocalChain`); otherwise it plans a route
+over the swarm's holders and runs a `DistributedChain` (with failover) on it. For a model
+it holds no layers of, it first takes the model's common files (`CommonModel`, through
+the node's `ModelFinder`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
+from swarmd.model.common import CommonModel
 from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams
 from swarmd.model.worker import TorchWorker
@@ -25,6 +29,15 @@ from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
 
 log = logging.getLogger("swarmd.requests")
+
+Routed = LoadedModel | CommonModel  # a model this node serves, or one it coordinates
+
+
+class ModelFinder(Protocol):
+    async def common_model(self, model_id: str) -> CommonModel:
+        """A model of the swarm this node holds no layers of, ready to coordinate;
+        ModelNotFoundError when no holder serves it in a way this node can route."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -45,8 +58,13 @@ class Coordinator:
         swarm: SwarmAccess,
         chain_settings: ChainSettings,
         kv_budget: KVBudget,
+        finder: ModelFinder | None = None,
     ) -> None:
+        """`finder`: the models of the swarm this node holds no layers of (None: only its
+        own model is served)."""
         self.model = model
+        self._finder = finder
+        self._routed: dict[str, CommonModel] = {}  # the other models, once resolved
         self.swarm = swarm
         self.chain_settings = chain_settings
         self.short_id = short_id
@@ -68,20 +86,44 @@ class Coordinator:
         speeds = sorted(r.tok_per_sec for r in self.ring.recent() if r.tok_per_sec)
         return speeds[len(speeds) // 2] if speeds else 0.0
 
-    def resolve(self, model_id: str) -> LoadedModel:
-        if model_id != self.model.model_id:
+    async def resolve(self, model_id: str) -> Routed:
+        """The model a request names: this node's own, or another of the swarm."""
+        if model_id == self.model.model_id:
+            return self.model
+        if self._finder is None:
             raise ModelNotFoundError(model_id, [self.model.model_id])
-        return self.model
+        model = await self._finder.common_model(model_id)
+        self._routed[model_id] = model
+        return model
 
-    async def plan(self, need_tokens: int, sampling: SamplingParams) -> StageChain:
+    def routed(self, model_id: str) -> Routed:
+        """A model `resolve` has answered for."""
+        if model_id == self.model.model_id:
+            return self.model
+        model = self._routed.get(model_id)
+        if model is None:
+            raise ModelNotFoundError(model_id, [self.model.model_id])
+        return model
+
+    def settings_for(self, model: Routed) -> ChainSettings:
+        if model is self.model:
+            return self.chain_settings
+        return replace(
+            self.chain_settings,
+            model_id=model.model_id,
+            num_layers=model.num_layers,
+            vocab_size=model.vocab_size,
+        )
+
+    async def plan(self, need_tokens: int, sampling: SamplingParams, model: Routed) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm."""
-        model = self.model
-        if model.is_whole:
+        if isinstance(model, LoadedModel) and model.is_whole:
             hop = Hop(self.short_id, model.layers)
             return LocalChain(self._worker, hop, self._limits.step_timeout_s)
-        route, records = await plan(self.swarm, self.chain_settings, need_tokens, sampling)
+        settings = self.settings_for(model)
+        route, records = await plan(self.swarm, settings, need_tokens, sampling)
         return DistributedChain(
-            self.swarm, self.chain_settings, route, records, need_tokens, self.false_reports
+            self.swarm, settings, route, records, need_tokens, self.false_reports
         )
 
     @asynccontextmanager
@@ -99,11 +141,12 @@ class Coordinator:
         acquired = False
         reserved = 0
         need = len(request.prompt_ids) + request.max_tokens
+        model = self.routed(request.model_id)
         try:
             deadline = time.monotonic() + self._limits.queue_timeout_s
             self.waiting += 1
             try:
-                if self.model.is_whole:
+                if model.is_whole:
                     # FIFO for KV room: the whole session's tokens from now to its end.
                     await self.kv_budget.reserve(need, self._limits.queue_timeout_s)
                     reserved = need
@@ -121,12 +164,12 @@ class Coordinator:
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(need, request.sampling)
+            chain = await self.plan(need, request.sampling, model)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,
                 chain,
-                self.model.codec,
+                model.codec,
                 self._limits.prefill_chunk_tokens,
                 timing,
                 client_gone,
@@ -172,7 +215,7 @@ class Coordinator:
         return RequestRecord(
             request_id=request.request_id,
             model=request.model_id,
-            route=_route_kind(chain, self.model),
+            route=_route_kind(chain, self._routed.get(request.model_id, self.model)),
             nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
             outcome="ok" if error is None else "error",
             error_type=None if error is None else type(error).__name__,
@@ -190,7 +233,7 @@ class Coordinator:
         )
 
 
-def _route_kind(chain: StageChain | None, model: LoadedModel) -> str:
+def _route_kind(chain: StageChain | None, model: Routed) -> str:
     if chain is not None:
         return "local" if chain.is_local else "distributed"
     return "local" if model.is_whole else "distributed"  # refused before a route existed

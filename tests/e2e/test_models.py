@@ -1,0 +1,111 @@
+"""Any node answers for every model of the swarm, in real node processes on 127.0.0.1.
+
+A serves one model (a tiny random Llama from its folder); B serves another, a copy of it
+sharded under the id `other`. A holds no layer of `other`: it takes that model's common
+files (manifest, tokenizer, templates) from B once, checked against the content id, and
+runs the ring over B; its replies are B's own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import NodeProcess, build_tiny_llama, http_json, running_node, wait_until
+
+pytestmark = pytest.mark.e2e
+
+OTHER = "other"
+
+
+@pytest.fixture(scope="module")
+def folders(smollm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A's model (a folder) and B's (the same weights sharded in two, as `other`)."""
+    root = tmp_path_factory.mktemp("models")
+    source = build_tiny_llama(root / "tiny-a", smollm_dir, 4)
+    out = root / "shards"
+    cmd = [sys.executable, "-m", "swarmd", "shard", str(source), "--stages", "2"]
+    cmd += ["--out", str(out), "--model-id", OTHER]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return source, out
+
+
+@pytest.fixture(scope="module")
+def b(
+    folders: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    args = ["--model", str(folders[1]), "--torch-threads", "1"]
+    with running_node(tmp_path_factory, "b", args) as node:
+        yield node
+
+
+@pytest.fixture(scope="module")
+def a(
+    folders: tuple[Path, Path], b: NodeProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    cache = tmp_path_factory.mktemp("a-cache")
+    args = ["--model", str(folders[0]), "--cache-dir", str(cache), "--torch-threads", "1"]
+    with running_node(tmp_path_factory, "a", [*args, "--bootstrap", b.p2p_addrs[0]]) as node:
+        node.cache = cache  # type: ignore[attr-defined]
+        yield node
+
+
+def chat(node: NodeProcess, model: str, **extra: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
+    status, reply, headers = http_json(f"{node.url}/v1/chat/completions", body, timeout_s=120)
+    return status, reply, {k.lower(): v for k, v in headers.items()}
+
+
+def test_a_node_answers_a_model_it_holds_no_layers_of(a: NodeProcess, b: NodeProcess) -> None:
+    status, own, _ = chat(b, OTHER)
+    assert status == 200, own
+    status, reply, headers = chat(a, OTHER)
+    assert status == 200, reply
+    assert headers["x-swarm-route"] == "distributed"
+    assert headers["x-swarm-nodes"] == b.health()["peer_id"][-8:]  # type: ignore[index]
+    assert reply["model"] == OTHER
+    assert reply["choices"][0]["token_ids"] == own["choices"][0]["token_ids"]
+    assert reply["choices"][0]["message"] == own["choices"][0]["message"]
+    # Only the common files came over: the tokenizer and the manifest, no weights.
+    cache: Path = a.cache  # type: ignore[attr-defined]
+    taken = {p.name for p in cache.rglob("*") if p.is_file() and OTHER in str(p)}
+    assert {"manifest.json", "tokenizer.json"} <= taken
+    assert not any(name.endswith(".safetensors") for name in taken), taken
+    assert "coordinating other" in a.log_text()
+    # Sampled, several choices, and A's own model still served alongside.
+    status, many, _ = chat(a, OTHER, temperature=0.9, seed=3, n=2)
+    status_b, many_b, _ = chat(b, OTHER, temperature=0.9, seed=3, n=2)
+    assert status == status_b == 200
+    assert [c["token_ids"] for c in many["choices"]] == [c["token_ids"] for c in many_b["choices"]]
+    own_model = a.get_json("/v1/models")["data"][0]["id"]  # type: ignore[index]
+    status, _, headers = chat(a, str(own_model))
+    assert status == 200 and headers["x-swarm-route"] == "local"
+
+
+def test_a_model_nobody_serves_is_a_404_naming_model(a: NodeProcess) -> None:
+    status, reply, _ = chat(a, "nobody-serves-this")
+    assert status == 404 and reply["error"]["param"] == "model"
+    assert "no peer of the swarm serves it" in reply["error"]["message"]
+
+
+def test_a_model_served_without_a_manifest_names_why_it_cannot_be_routed(
+    a: NodeProcess, b: NodeProcess
+) -> None:
+    """A's model comes from a plain folder: there is no content id to take its files by."""
+    own_model = str(a.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
+    # Until B finds A's record, the model is one nobody serves; then B says why.
+    assert wait_until(lambda: "without a manifest" in str(chat(b, own_model)[1]), 30, 0.5)
+    status, reply, _ = chat(b, own_model)
+    assert status == 404 and reply["error"]["param"] == "model"
