@@ -234,19 +234,37 @@ def diagnostics(
 
 @app.command()
 def models(url: Url = DEFAULT_URL, token: Token = None) -> None:
-    """List the models a running node answers for, with their layer coverage."""
+    """List every model of the swarm: its holders and their layers, coverage and gaps, and
+    whether the node at URL can route it."""
     from swarmd.client import get_json
 
     listing = _ask(get_json(url, "/v1/models", token))
     for entry in listing["data"]:
-        swarm = entry.get("swarm", {})
-        coverage = ",".join(f"{a}:{b}" for a, b in swarm.get("coverage", []))
-        state = "routable" if swarm.get("routable") else "not routable"
-        holders = len(swarm.get("holders", []))
-        typer.echo(
-            f"{entry['id']}  layers {coverage or '-'} of {swarm.get('num_layers', '?')}  "
-            f"{holders} holder(s)  {state}"
-        )
+        typer.echo("\n".join(model_lines(entry)))
+
+
+def model_lines(entry: dict[str, Any]) -> list[str]:
+    """One model of `/v1/models` as `swarmd models` prints it."""
+    swarm = entry.get("swarm", {})
+    total = swarm.get("num_layers", 0)
+    coverage = [tuple(r) for r in swarm.get("coverage", [])]
+    gaps, reached = [], 0
+    for start, end in coverage:
+        if start > reached:
+            gaps.append(f"{reached}:{start}")
+        reached = max(reached, end)
+    if reached < total:
+        gaps.append(f"{reached}:{total}")
+    state = "routable here" if swarm.get("routable") else "not routable here"
+    covered = ",".join(f"{a}:{b}" for a, b in coverage) or "-"
+    lines = [
+        f"{entry['id']}  {total} layers  covered {covered}  gaps {','.join(gaps) or 'none'}  "
+        f"{state}"
+    ]
+    for holder in swarm.get("holders", []):
+        start, end = holder["layers"]
+        lines.append(f"  {holder['peer_id'][-8:]}  layers {start}:{end}")
+    return lines
 
 
 token_app = typer.Typer(help="API tokens: create, list and revoke (stored hashed).")

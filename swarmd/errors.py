@@ -21,6 +21,7 @@
     │   ├── OverloadedError         every session slot busy past the queue timeout
     │   ├── StepTimeoutError        one model step ran past step_timeout_s
     │   ├── NoRouteError            layers missing from the swarm
+    │   ├── CommonFilesError        a coordinated model's files not taken from its holders
     │   └── RouteFailedError        stages kept failing past the failover limit
     ├── RecordError                 a DHT record refused (dropped, never served)
     │   ├── RecordTooLargeError     value over the size limit, refused unread
@@ -156,6 +157,11 @@ class OverloadedError(UnavailableError):
 
 class StepTimeoutError(UnavailableError):
     """One model step ran longer than `step_timeout_s`."""
+
+
+class CommonFilesError(UnavailableError):
+    """The common files (manifest, tokenizer, templates) of a model this node holds no
+    layers of could not be taken from its holders, or did not load."""
 
 
 class NoRouteError(UnavailableError):

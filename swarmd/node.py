@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import trio
 from aiohttp import web
 
 from swarmd import __version__
@@ -28,12 +29,23 @@ from swarmd.api.edge import Edge, EdgeLimits, listen
 from swarmd.api.metrics import NodeMetrics, NodeState
 from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
+from swarmd.dht.index import CatalogModel, ModelEntry
 from swarmd.dht.records import NodeRecord
 from swarmd.dht.swarm import SwarmPresence, SwarmSettings
-from swarmd.errors import ConfigError, InternalError, ManifestError, SwarmError
+from swarmd.errors import (
+    CommonFilesError,
+    ConfigError,
+    FetchError,
+    InternalError,
+    ManifestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    SwarmError,
+)
 from swarmd.model.common import CommonModel, Variant
+from swarmd.model.hashing import file_sha256
 from swarmd.model.loader import LoadedModel, load_model
-from swarmd.model.manifest import MANIFEST_FILE, parse_manifest
+from swarmd.model.manifest import MANIFEST_FILE, FileEntry, parse_manifest
 from swarmd.model.memory import (
     auto_kv_budget_tokens,
     keep_large_blocks_returnable,
@@ -65,6 +77,7 @@ from swarmd.transfer.take import fetch_folder, fetch_missing, take_manifest
 log = logging.getLogger(__name__)
 
 SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
+MAX_COMMON_BYTES = 64 * 10**6  # tokenizer, templates, config of a model coordinated here
 HOLDERS_CACHE_S = 2.0  # how long a DHT lookup answers /v1/models and /api/peers
 
 T = TypeVar("T")
@@ -151,6 +164,7 @@ class Node:
             settings or _swarm_settings(config),
             self._make_record,
             self._run_services,
+            make_index=self._make_index,
         )
         self.file_server: FileServer | None = None
         self._stage_service: StageService | None = None
@@ -158,6 +172,7 @@ class Node:
         self.started_wall = time.time()
         self.api_url = ""
         self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
+        self._models_cache: tuple[float, list[CatalogModel]] | None = None
         # The models of the swarm this node coordinates without holding layers of them.
         self._common: dict[str, CommonModel] = {}
         self._common_locks: dict[str, asyncio.Lock] = {}
@@ -317,8 +332,11 @@ class Node:
                 return known
             records = await self.bridge.run(self.swarm.holders, model_id)
             variant = choose_variant(model_id, records, [self.model.model_id])
-            source = await self.bridge.run(self._take_common, model_id, variant, records)
-            model = await asyncio.to_thread(CommonModel.load, source, variant)
+            try:
+                source = await self.bridge.run(self._take_common, model_id, variant, records)
+                model = await asyncio.to_thread(CommonModel.load, source, variant)
+            except (FetchError, ModelLoadError) as exc:  # a 503: the holders may do better
+                raise CommonFilesError(f"Cannot coordinate {model_id} yet: {exc}") from exc
             log.info(
                 "coordinating %s (%s, %s weights, %s) from the swarm's holders",
                 model_id,
@@ -352,7 +370,22 @@ class Node:
 
         settings = FetchSettings(deadline_s=self.config.fetch_timeout_s)
         wanted = list(manifest.files)
+        size = sum(e.bytes for e in wanted)
+        if size > MAX_COMMON_BYTES:  # a holder's manifest must not fill this node's disk
+            raise ModelNotFoundError(
+                model_id,
+                [self.model.model_id],
+                hint=f": its common files are {size / 1e6:.0f} MB, over the "
+                f"{MAX_COMMON_BYTES / 1e6:.0f} MB a node takes to coordinate a model",
+            )
         await fetch_missing(host, manifest, folder, wanted, lookup, self.swarm.ban, settings)
+        # A cached file that no longer hashes right (a crash mid-write, a disk error) is
+        # taken again, once.
+        damaged = await trio.to_thread.run_sync(_damaged, folder, wanted)
+        for entry in damaged:
+            (folder / entry.file).unlink()
+        if damaged:
+            await fetch_missing(host, manifest, folder, damaged, lookup, self.swarm.ban, settings)
         return ModelSource(model_id, folder, manifest)
 
     def swarm_state(self) -> str:
@@ -459,6 +492,23 @@ class Node:
                 return frozenset(record.addrs)
         return None
 
+    def _make_index(self, host: P2PHost) -> list[ModelEntry]:
+        """Trio side: the models this node serves, for the swarm's catalog."""
+        model = self.model
+        entry = ModelEntry(
+            model.model_id, model.source.content_id, model.num_layers, model.context_length
+        )
+        return [entry]
+
+    async def swarm_models(self) -> list[CatalogModel]:
+        """The models the swarm's nodes list (this node's first), cached like holders."""
+        cached = self._models_cache
+        if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
+            return cached[1]
+        models = await self.bridge.run(self.swarm.models)
+        self._models_cache = (time.monotonic(), models)
+        return models
+
     def _make_record(self, host: P2PHost) -> NodeRecord:
         # Called on the trio side; trio runs as a guest on this thread, so reading the
         # asyncio side's state here is safe.
@@ -483,6 +533,10 @@ class Node:
             version=__version__,
             expires_at=time.time() + self.config.record_ttl_s,
         )
+
+
+def _damaged(folder: Path, entries: list[FileEntry]) -> list[FileEntry]:
+    return [e for e in entries if file_sha256(folder / e.file) != e.sha256]
 
 
 def check_api_exposure(config: Config) -> None:

@@ -18,8 +18,10 @@ from swarmd.api.completions import chat_completions, completions
 from swarmd.api.diagnostics import build_report
 from swarmd.api.errors import Handler, error_middleware
 from swarmd.api.metrics import CONTENT_TYPE
+from swarmd.dht.index import CatalogModel
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ModelNotFoundError, SwarmError
+from swarmd.pipeline.variants import choose_variant
 
 if TYPE_CHECKING:
     from swarmd.node import Node
@@ -137,16 +139,26 @@ async def diagnostics(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    """This node's model first, then every other model the swarm lists and holds."""
     node: Node = request.app[keys.NODE]
-    return web.json_response({"object": "list", "data": [await _model_entry(node)]})
+    own = await _model_entry(node)
+    listed = [m for m in await _catalog(node) if m.model_id != node.model.model_id]
+    others = await asyncio.gather(*(_swarm_entry(node, m) for m in listed))
+    return web.json_response(
+        {"object": "list", "data": [own, *(e for e in others if e is not None)]}
+    )
 
 
 async def model_detail(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
     model_id = request.match_info["model"]
-    if model_id != node.model.model_id:
+    if model_id == node.model.model_id:
+        return web.json_response(await _model_entry(node))
+    listed = next((m for m in await _catalog(node) if m.model_id == model_id), None)
+    entry = None if listed is None else await _swarm_entry(node, listed)
+    if entry is None:
         raise ModelNotFoundError(model_id, [node.model.model_id])
-    return web.json_response(await _model_entry(node))
+    return web.json_response(entry)
 
 
 async def peers(request: web.Request) -> web.Response:
@@ -190,11 +202,20 @@ async def peers(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _holders(node: Node) -> list[NodeRecord]:
+async def _holders(node: Node, model_id: str | None = None) -> list[NodeRecord]:
+    model_id = model_id or node.model.model_id
     try:
-        return await asyncio.wait_for(node.holders(node.model.model_id), HOLDERS_TIMEOUT_S)
+        return await asyncio.wait_for(node.holders(model_id), HOLDERS_TIMEOUT_S)
     except (TimeoutError, SwarmError) as exc:
-        log.warning("DHT lookup of %s failed: %s", node.model.model_id, exc)
+        log.warning("DHT lookup of %s failed: %s", model_id, exc)
+        return []
+
+
+async def _catalog(node: Node) -> list[CatalogModel]:
+    try:
+        return await asyncio.wait_for(node.swarm_models(), HOLDERS_TIMEOUT_S)
+    except (TimeoutError, SwarmError) as exc:
+        log.warning("DHT lookup of the swarm's models failed: %s", exc)
         return []
 
 
@@ -234,5 +255,43 @@ async def _model_entry(node: Node) -> dict[str, Any]:
             "num_layers": model.num_layers,
             "complete": coverage == [[0, model.num_layers]],
             "routable": model.is_whole or usable == [[0, model.num_layers]],
+        },
+    }
+
+
+async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | None:
+    """A model this node holds no layers of, as its holders' records show it (None: no
+    ready holder backs the listing, so it is not shown). Its holders are those of the
+    variant this node would route through (every holder when none has a content id)."""
+    ready = [r for r in await _holders(node, listed.model_id) if r.state == "ready"]
+    if not ready:
+        return None
+    try:
+        variant = choose_variant(listed.model_id, ready, [node.model.model_id])
+        chosen = [r for r in ready if r.model_hash == variant.content_id]
+    except ModelNotFoundError:
+        variant, chosen = None, ready  # served without a manifest: not routable here
+    num_layers = chosen[0].num_layers
+    holders = {r.peer_id: [r.layer_start, r.layer_end] for r in chosen}
+    coverage = merge_ranges([(a, b) for a, b in holders.values()])
+    banned = node.banned()
+    usable = merge_ranges([(a, b) for p, (a, b) in holders.items() if p not in banned])
+    hashes = {e.model_hash: e for _, e in listed.listed_by}
+    listing = hashes.get(variant.content_id if variant else "") or listed.listed_by[0][1]
+    return {
+        "id": listed.model_id,
+        "object": "model",
+        "created": int(node.started_wall),
+        "owned_by": "swarmd",
+        "context_length": listing.context_length,
+        "swarm": {
+            "holders": [
+                {"peer_id": peer_id, "layers": layers}
+                for peer_id, layers in sorted(holders.items())
+            ],
+            "coverage": coverage,
+            "num_layers": num_layers,
+            "complete": coverage == [[0, num_layers]],
+            "routable": variant is not None and usable == [[0, num_layers]],
         },
     }

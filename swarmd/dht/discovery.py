@@ -13,9 +13,16 @@ stops republishing disappears when its record expires; `Discovery.withdraw` make
 disappear at once by publishing the same record in state "draining" (a draining record
 beats any other state, so it replaces the "ready" one wherever the DHT compares them).
 
+The swarm's catalog of model ids (`index.py`) follows the same pattern one level up:
+every node that serves anything provides ``catalog_key()`` and keeps its signed
+`IndexRecord` at ``index_key(peer_id)`` (`announce_index`); `models` takes the catalog's
+providers, then each one's index, fetched, checked and pruned exactly as `holders`
+fetches records. `withdraw_index` publishes an empty index with a higher seq.
+
 Every node stores records for others only through `RecordValidator`, so a record that
 is malformed, expired, forged, or filed under another peer's key is refused on arrival,
-and never served back. Records returned by `holders` are checked again.
+and never served back. Records returned by `holders` (and indexes returned by
+`indexes`) are checked again.
 
 Where py-libp2p 0.8.1 falls short, this module works around it (see
 shared/notes/libp2p.md):
@@ -45,9 +52,10 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 from libp2p.abc import INetStream, IPeerStore
@@ -63,6 +71,19 @@ from libp2p.records.validator import Validator
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
+from swarmd.dht.index import (
+    CatalogModel,
+    IndexRecord,
+    ModelEntry,
+    catalog,
+    catalog_key,
+    decode_index,
+    decode_index_for_key,
+    index_key,
+    index_rank,
+    is_index_key,
+    sign_index,
+)
 from swarmd.dht.records import (
     KEY_NAMESPACE,
     NodeRecord,
@@ -73,7 +94,7 @@ from swarmd.dht.records import (
     record_key,
     sign_record,
 )
-from swarmd.errors import PeerError, RecordError, WrongOwnerError
+from swarmd.errors import MalformedRecordError, PeerError, RecordError, WrongOwnerError
 from swarmd.net.host import P2PHost, libp2p_peer_id
 from swarmd.net.identity import Identity
 from swarmd.net.safe_text import safe_text
@@ -89,11 +110,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_PROVIDERS_PER_ANSWER = 64  # providers taken from one peer's GET_PROVIDERS answer
-MAX_PROVIDERS = 256  # holders of one model looked at per lookup
-_MAX_KNOWN_GOOD = 1024  # holders remembered as having had a valid record
+MAX_PROVIDERS = 256  # providers of one key (holders of a model, catalog indexes) per lookup
+_MAX_KNOWN_GOOD = 1024  # providers remembered as having had a valid record or index
 _VALUE_PEERS = 20  # closest peers asked for a record (libp2p's k)
 
 Clock = Callable[[], float]
+# What a value under the "swarmd" namespace decodes to, by its key's prefix.
+_Value = TypeVar("_Value", NodeRecord, IndexRecord)
 
 WITHDRAW_TTL_S = 5.0  # a withdrawal ("draining") record lives this long
 _ADDR_TTL_S = 600  # how long addresses learned here (providers, add_peer) stay dialable
@@ -123,14 +146,15 @@ class DiscoveryConfig:
 
 
 class RecordValidator(Validator):
-    """py-libp2p's validator for the "swarmd" namespace: signed `NodeRecord`s only.
+    """py-libp2p's validator for the "swarmd" namespace: signed `NodeRecord`s, and
+    signed `IndexRecord`s under index keys (``/swarmd/i/``, `is_index_key`).
 
     libp2p calls `validate` on every value it stores (ours and those other peers send)
     and on every value a lookup receives; raising refuses the value. `select` picks the
     best of several values for one key: invalid ones lose; the higher `seq` (the owner's
-    later record) wins; of equal seq a "draining" record (a withdrawal) beats any other
-    state, then the later expiry wins; equal (seq, state, expiry) fall back to the bytes
-    so every node picks the same one.
+    later record) wins; of equal seq a withdrawal (a "draining" record, an empty index)
+    beats anything else, then the later expiry wins; equal (seq, withdrawal, expiry) fall
+    back to the bytes so every node picks the same one.
     """
 
     def __init__(
@@ -145,7 +169,7 @@ class RecordValidator(Validator):
 
     def validate(self, key: str, value: bytes) -> None:
         try:
-            record = decode_record_for_key(key, value, self._clock())
+            record = _decode_for_key(key, value, self._clock())
             if self._admits is not None and not self._admits(record.peer_id):
                 raise WrongOwnerError(f"peer {record.peer_id[-8:]} is refused by this node")
         except RecordError as exc:
@@ -160,11 +184,11 @@ class RecordValidator(Validator):
         best_rank: tuple[int, bool, float, bytes] | None = None
         for index, value in enumerate(values):
             try:
-                record = decode_record_for_key(key, value, now)
+                record = _decode_for_key(key, value, now)
             except RecordError:
                 continue
             # The owner's latest record first (seq): a replayed older one always loses.
-            rank = (record.seq, record.state == "draining", record.expires_at, bytes(value))
+            rank = _rank(record, value)
             # `>=`: two copies of the same bytes tie, and the later one (the incoming
             # value, where libp2p compares [stored, incoming]) is taken, not refused.
             if best_rank is None or rank >= best_rank:
@@ -174,10 +198,23 @@ class RecordValidator(Validator):
     def is_valid(self, key: str, value: bytes) -> bool:
         """`validate` without counting (for values this node already holds)."""
         try:
-            decode_record_for_key(key, value, self._clock())
+            _decode_for_key(key, value, self._clock())
         except RecordError:
             return False
         return True
+
+
+def _decode_for_key(key: str, value: bytes, now: float) -> NodeRecord | IndexRecord:
+    """The value at `key`, checked as what the key's prefix says it holds."""
+    if is_index_key(key):
+        return decode_index_for_key(key, value, now)
+    return decode_record_for_key(key, value, now)
+
+
+def _rank(decoded: NodeRecord | IndexRecord, value: bytes) -> tuple[int, bool, float, bytes]:
+    if isinstance(decoded, IndexRecord):
+        return index_rank(decoded, value)
+    return (decoded.seq, decoded.state == "draining", decoded.expires_at, bytes(value))
 
 
 # --- discovery --------------------------------------------------------------------------
@@ -202,7 +239,9 @@ class Discovery:
         self._local_id = host.libp2p.get_id()
         self._announced: set[str] = set()  # model ids this node announced (not withdrawn)
         self._expiry: dict[str, float] = {}  # model id -> latest expiry this node signed
-        self._seq = 0  # the seq of the latest record this node signed
+        self._seq = 0  # the seq of the latest record (or index) this node signed
+        self._index_live = False  # this node's latest index lists models (not withdrawn)
+        self._index_expiry = 0.0  # the latest expiry of an index this node signed
         self._known_good: dict[str, float] = {}  # peer id -> expiry of its valid record
         self._keep_provider_slots_open(dht.provider_store)
         self._fetch_limiter = trio.CapacityLimiter(config.max_parallel_fetches)
@@ -299,7 +338,7 @@ class Discovery:
         not answer in time is logged: the record stays stored here and in reach of every
         node that asks this node; the next republish tries again.
         """
-        self._check_own(identity, record)
+        self._check_own(identity, record.peer_id)
         record = dataclasses.replace(record, seq=self._next_seq())
         value = sign_record(identity, record)
         await self._put(record_key(record.model_id, record.peer_id), value)
@@ -307,16 +346,7 @@ class Discovery:
         self._expiry[record.model_id] = max(
             record.expires_at, self._expiry.get(record.model_id, 0.0)
         )
-        key = model_key(record.model_id)
-        with trio.move_on_after(self._config.publish_timeout_s) as scope:
-            await self._dht.provide(key)
-        if scope.cancelled_caught:
-            log.warning(
-                "announcing %s as a provider of %r took over %g s",
-                self._host.short_id,
-                record.model_id,
-                self._config.publish_timeout_s,
-            )
+        await self._provide(model_key(record.model_id), repr(record.model_id))
 
     async def withdraw(self, identity: Identity, record: NodeRecord) -> None:
         """Stop serving `record.model_id`: publish the record as "draining".
@@ -326,7 +356,7 @@ class Discovery:
         an earlier record of this node lives longer, so none of those can be replayed
         after it. A later `announce` (a higher seq) beats it at once.
         """
-        self._check_own(identity, record)
+        self._check_own(identity, record.peer_id)
         # The withdrawal outlives every record it replaces: while one of them could still
         # be replayed, the withdrawal (with its higher seq) is there to beat it.
         expires_at = max(
@@ -341,6 +371,55 @@ class Discovery:
         await self._put(
             record_key(record.model_id, record.peer_id), sign_record(identity, draining)
         )
+
+    async def announce_index(
+        self, identity: Identity, entries: Iterable[ModelEntry], expires_at: float
+    ) -> IndexRecord:
+        """Publish (or republish) this node's index: the models it serves, in the catalog.
+
+        Stores the signed index at ``index_key`` and registers this node as a provider of
+        ``catalog_key()``; returns the index as signed (entries sorted by id, a fresh
+        seq). `expires_at` should be its records' (an index expires with them). Raises
+        MalformedRecordError for no entries (`withdraw_index` lists none), an id listed
+        twice or an entry `decode_index` refuses, and what `announce` raises otherwise;
+        a network that does not answer in time is logged, as there.
+        """
+        self._check_own(identity, identity.peer_id)
+        models = tuple(sorted(entries, key=lambda entry: entry.model_id))
+        if not models:
+            raise MalformedRecordError("an index lists a model at least; withdraw_index it")
+        index = IndexRecord(self._host.peer_id, models, expires_at, self._next_seq())
+        await self._put(index_key(index.peer_id), sign_index(identity, index))
+        self._index_live = True
+        self._index_expiry = max(expires_at, self._index_expiry)
+        await self._provide(catalog_key(), "the catalog")
+        return index
+
+    async def withdraw_index(self, identity: Identity) -> IndexRecord:
+        """Leave the catalog: publish an empty index with a higher seq.
+
+        Other nodes' `models` stop listing this node's models at once; the empty index
+        lives `withdraw_ttl_s`, or as long as this node's latest index would, so that one
+        cannot be replayed after it. A later `announce_index` beats it at once.
+        """
+        self._check_own(identity, identity.peer_id)
+        expires_at = max(self._clock() + self._config.withdraw_ttl_s, self._index_expiry)
+        self._index_expiry = 0.0
+        self._index_live = False
+        index = IndexRecord(self._host.peer_id, (), expires_at, self._next_seq())
+        await self._put(index_key(index.peer_id), sign_index(identity, index))
+        return index
+
+    async def _provide(self, key: str, what: str) -> None:
+        with trio.move_on_after(self._config.publish_timeout_s) as scope:
+            await self._dht.provide(key)
+        if scope.cancelled_caught:
+            log.warning(
+                "announcing %s as a provider of %s took over %g s",
+                self._host.short_id,
+                what,
+                self._config.publish_timeout_s,
+            )
 
     async def _put(self, key: str, value: bytes) -> None:
         with trio.move_on_after(self._config.publish_timeout_s) as scope:
@@ -366,11 +445,11 @@ class Discovery:
         self._seq = max(self._seq + 1, int(self._clock() * 1_000_000))
         return self._seq
 
-    def _check_own(self, identity: Identity, record: NodeRecord) -> None:
-        if identity.peer_id != self._host.peer_id or record.peer_id != self._host.peer_id:
+    def _check_own(self, identity: Identity, owner: str) -> None:
+        if identity.peer_id != self._host.peer_id or owner != self._host.peer_id:
             raise WrongOwnerError(
                 f"this node ({self._host.peer_id}) only publishes its own records, got "
-                f"identity {identity.peer_id} and a record of {record.peer_id}"
+                f"identity {identity.peer_id} and a record of {owner}"
             )
 
     # --- looking up -------------------------------------------------------------------
@@ -388,27 +467,61 @@ class Discovery:
         valid before go first and the rest in random order, and a provider whose record
         is missing, invalid or withdrawn is dropped from the local provider store.
         """
-        key = model_key(model_id)
-        peers = await self._find_providers(key)
+        peers = await self._find_providers(model_key(model_id))
         if model_id in self._announced:
             peers.add(self._host.peer_id)
+
+        async def fetch(peer_id: str) -> NodeRecord | None:
+            return await self._fetch_record(model_id, peer_id)
+
+        results = await self._fetch_each(peers, fetch)
+        return [results[p] for p in sorted(results)]
+
+    async def indexes(self) -> list[IndexRecord]:
+        """The valid, unexpired, non-empty indexes of the catalog's providers.
+
+        Sorted by peer id; this node's is included while it announces one. Found, bounded
+        and pruned as `holders` finds records: a provider of the catalog key whose index
+        is missing, invalid or withdrawn is dropped from the local provider store.
+        """
+        peers = await self._find_providers(catalog_key())
+        if self._index_live:
+            peers.add(self._host.peer_id)
+        results = await self._fetch_each(peers, self._fetch_index)
+        return [results[p] for p in sorted(results)]
+
+    async def models(self) -> list[CatalogModel]:
+        """The swarm's model ids (`catalog` of `indexes`): at most MAX_SWARM_MODELS,
+        this node's own first, each with the peers that list it. Hints only: an id is
+        served while `holders(id)` finds a record."""
+        return catalog(await self.indexes(), own_peer_id=self._host.peer_id)
+
+    async def _fetch_each(
+        self, peers: set[str], fetch: Callable[[str], Awaitable[_Value | None]]
+    ) -> dict[str, _Value]:
+        """`fetch(peer)` for every peer, within fetch_timeout_s: what each one found.
+
+        Provider entries cost a peer nothing, so none may hold the others up: up to
+        max_parallel_fetches run at once, and the peers seen valid before go first, the
+        rest in random order.
+        """
         now = self._clock()
         self._known_good = {p: t for p, t in self._known_good.items() if t > now}
         order = sorted(peers, key=lambda p: (p not in self._known_good, random.random()))
-        results: dict[str, NodeRecord] = {}
+        results: dict[str, _Value] = {}
 
-        async def fetch(peer_id: str) -> None:
+        async def one(peer_id: str) -> None:
             async with self._fetch_limiter:
-                record = await self._fetch_record(model_id, peer_id)
-            if record is not None:
-                results[peer_id] = record
-                self._remember_good(peer_id, record.expires_at)
+                found = await fetch(peer_id)
+            if found is not None:
+                results[peer_id] = found
+                self._remember_good(peer_id, found.expires_at)
 
         with trio.move_on_after(self._config.fetch_timeout_s):
             async with trio.open_nursery() as nursery:
                 for peer_id in order:
-                    nursery.start_soon(fetch, peer_id)
-        return [results[p] for p in sorted(results)]
+                    nursery.start_soon(one, peer_id)
+        return results
 
     def _remember_good(self, peer_id: str, until: float) -> None:
         if peer_id not in self._known_good and len(self._known_good) >= _MAX_KNOWN_GOOD:
@@ -452,7 +565,48 @@ class Discovery:
 
     async def _fetch_record(self, model_id: str, peer_id: str) -> NodeRecord | None:
         """The best record of `peer_id` for `model_id`, checked; None if none is usable."""
-        key = record_key(model_id, peer_id)
+
+        def decode(value: bytes) -> NodeRecord:
+            return decode_record(
+                value, self._clock(), expected_peer_id=peer_id, expected_model_id=model_id
+            )
+
+        return await self._fetch_value(
+            peer_id,
+            record_key(model_id, peer_id),
+            model_key(model_id),
+            decode,
+            lambda record: record.state == "draining",
+            f"the record for {safe_text(model_id)}",
+        )
+
+    async def _fetch_index(self, peer_id: str) -> IndexRecord | None:
+        """The best index of `peer_id`, checked; None if none is usable or it is empty."""
+
+        def decode(value: bytes) -> IndexRecord:
+            return decode_index(value, self._clock(), expected_peer_id=peer_id)
+
+        return await self._fetch_value(
+            peer_id,
+            index_key(peer_id),
+            catalog_key(),
+            decode,
+            lambda index: index.withdrawn,
+            "the index",
+        )
+
+    async def _fetch_value(
+        self,
+        peer_id: str,
+        key: str,
+        provider_key: str,
+        decode: Callable[[bytes], _Value],
+        withdrawn: Callable[[_Value], bool],
+        what: str,
+    ) -> _Value | None:
+        """`peer_id`'s best value at `key` (from the owner, and this node and the DHT),
+        by `decode`; None if none is usable or it is a withdrawal. A provider of
+        `provider_key` with nothing usable behind it is forgotten."""
         key_bytes = key.encode("utf-8")
         values: list[bytes] = []
         pid = libp2p_peer_id(peer_id)
@@ -472,29 +626,22 @@ class Discovery:
             # or a holder long gone) must not keep one of the key's few slots, nor its
             # addresses in the peerstore (libp2p's lookups in a small swarm start from
             # every peer there, and would keep dialling it).
-            self._forget_provider(model_id, peer_id)
+            self._forget_provider(provider_key, peer_id)
             if pid != self._local_id and pid not in self._host.libp2p.get_connected_peers():
                 self._host.libp2p.get_peerstore().clear_addrs(pid)
             return None
         best = values[self._validator.select(key, values)]
         try:
-            record = decode_record(
-                best, self._clock(), expected_peer_id=peer_id, expected_model_id=model_id
-            )
+            found = decode(best)
         except RecordError as exc:
             self.stats.reject(exc)
-            log.debug(
-                "dropped the record of %s for %s: %s",
-                peer_id[-8:],
-                safe_text(model_id),
-                safe_text(exc),
-            )
-            self._forget_provider(model_id, peer_id)
+            log.debug("dropped %s of %s: %s", what, peer_id[-8:], safe_text(exc))
+            self._forget_provider(provider_key, peer_id)
             return None
-        if record.state == "draining":
-            self._forget_provider(model_id, peer_id)
+        if withdrawn(found):
+            self._forget_provider(provider_key, peer_id)
             return None
-        return record
+        return found
 
     async def _ask_owner(self, peer: ID, key_bytes: bytes, values: list[bytes]) -> None:
         """The owner's own copy: the freshest, if the owner is up."""
@@ -557,11 +704,11 @@ class Discovery:
 
         store.add_provider = add_evicting  # type: ignore[method-assign]
 
-    def _forget_provider(self, model_id: str, peer_id: str) -> None:
-        """Drop a provider whose record is gone (libp2p keeps 20 per key for 48 h)."""
+    def _forget_provider(self, provider_key: str, peer_id: str) -> None:
+        """Drop a provider whose value is gone (libp2p keeps 20 per key for 48 h)."""
         if peer_id == self._host.peer_id:
             return
-        providers = self._dht.provider_store.providers.get(model_key(model_id).encode("utf-8"))
+        providers = self._dht.provider_store.providers.get(provider_key.encode("utf-8"))
         if providers is not None:
             providers.pop(peer_id, None)
 

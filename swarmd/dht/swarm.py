@@ -3,7 +3,9 @@
 It owns the libp2p host, the DHT and the RPC service for as long as the node runs:
 joins through the bootstrap peers, announces a signed record per model it serves and
 renews it, pings the peers it knows to keep the peer table's RTTs fresh, and withdraws its
-records when it stops. Trio code only: the asyncio side reaches it through `TrioBridge`.
+records when it stops. Given `make_index`, it also keeps this node's entry in the swarm's
+model catalog (`index.py`): republished with the records, with their expiry, and
+withdrawn after them. Trio code only: the asyncio side reaches it through `TrioBridge`.
 
 No single bad event stops it: every background loop (renewal, pings, the gate) survives
 any exception of one round (counted per loop in `loop_errors`, for ``/metrics``, and
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import trio
 
 from swarmd.dht.discovery import Discovery, open_discovery
+from swarmd.dht.index import CatalogModel, IndexRecord, ModelEntry, catalog
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import InternalError, PeerError, SwarmError
 from swarmd.net.auth import SwarmKey
@@ -55,11 +58,14 @@ class SwarmPresence:
         settings: SwarmSettings,
         make_record: Callable[[P2PHost], NodeRecord] | None,
         services: Callable[[P2PHost], Awaitable[None]] | None = None,
+        make_index: Callable[[P2PHost], Sequence[ModelEntry]] | None = None,
     ) -> None:
         """`make_record(host)`: this node's record; None joins without announcing anything
         (a node that still looks for its files). `services(host)`: more protocols on this
         host (e.g. the stage service); it runs for as long as the host, and is cancelled
-        with it."""
+        with it. `make_index(host)`: the models this node lists in the swarm's catalog,
+        asked at every announcement (after `make_record`); None lists nothing, and an
+        empty list leaves the catalog."""
         self.identity = identity
         self._services = services
         self.settings = settings
@@ -71,6 +77,8 @@ class SwarmPresence:
         self._ready = trio.Event()
         self._failure: SwarmError | None = None
         self._last_record: NodeRecord | None = None
+        self._make_index = make_index
+        self._last_index: IndexRecord | None = None  # as announced; None once withdrawn
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
         self._gate: SwarmGate | None = None
         self._rpc: RpcService | None = None
@@ -244,6 +252,19 @@ class SwarmPresence:
             records = [r for r in records if r.peer_id != own.peer_id] + [own]
         return records
 
+    async def models(self) -> list[CatalogModel]:
+        """The swarm's model catalog, this node's own entries included (hints only: an
+        id is served while `holders` finds a record for it)."""
+        indexes = await self.discovery.indexes()
+        if self._gate is not None:
+            # In a private swarm an index counts only once its owner has proved the key.
+            indexes = [i for i in indexes if self._gate.allows(i.peer_id)]
+        own = self._last_index
+        if own is not None:
+            # A lookup may miss this node's own index; its models are in the catalog.
+            indexes = [i for i in indexes if i.peer_id != own.peer_id] + [own]
+        return catalog(indexes, own_peer_id=self.identity.peer_id)
+
     async def _join(self, discovery: Discovery) -> None:
         if not self.settings.bootstrap:
             return
@@ -259,13 +280,39 @@ class SwarmPresence:
         record = self._make_record(self.host)
         await self.discovery.announce(self.identity, record)
         self._last_record = record
+        await self._announce_index(record.expires_at)
+
+    async def _announce_index(self, expires_at: float) -> None:
+        """This node's catalog entry, expiring with its records; a failure here never
+        holds the records back (they, not the index, say what is served)."""
+        if self._make_index is None:
+            return
+        try:
+            entries = self._make_index(self.host)
+            if entries:
+                self._last_index = await self.discovery.announce_index(
+                    self.identity, entries, expires_at
+                )
+            elif self._last_index is not None:
+                self._last_index = None
+                await self.discovery.withdraw_index(self.identity)
+        except SwarmError as exc:
+            log.warning("could not announce this node's models: %s", safe_text(exc))
 
     async def _withdraw(self) -> None:
-        if self._last_record is not None and self._discovery is not None:
+        if self._discovery is None:
+            return
+        if self._last_record is not None:
             try:
                 await self._discovery.withdraw(self.identity, self._last_record)
             except SwarmError as exc:
                 log.warning("could not withdraw this node's records: %s", safe_text(exc))
+        if self._last_index is not None:
+            self._last_index = None
+            try:
+                await self._discovery.withdraw_index(self.identity)
+            except SwarmError as exc:
+                log.warning("could not withdraw this node's models: %s", safe_text(exc))
 
     async def _renew_forever(self) -> None:
         while True:

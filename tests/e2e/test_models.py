@@ -8,15 +8,26 @@ runs the ring over B; its replies are B's own.
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import NodeProcess, build_tiny_llama, http_json, running_node, wait_until
+from tests.conftest import (
+    NodeProcess,
+    build_tiny_llama,
+    http_json,
+    running_node,
+    start_node,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -92,6 +103,77 @@ def test_a_node_answers_a_model_it_holds_no_layers_of(a: NodeProcess, b: NodePro
     own_model = a.get_json("/v1/models")["data"][0]["id"]  # type: ignore[index]
     status, _, headers = chat(a, str(own_model))
     assert status == 200 and headers["x-swarm-route"] == "local"
+
+
+def listed(node: NodeProcess) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in node.get_json("/v1/models")["data"]}  # type: ignore[union-attr]
+
+
+def test_every_node_lists_every_model_of_the_swarm(a: NodeProcess, b: NodeProcess) -> None:
+    own_a = str(a.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
+    b_id = str(b.health()["peer_id"])
+    assert wait_until(lambda: set(listed(a)) == {own_a, OTHER}, 30, 0.5), listed(a)
+    assert wait_until(lambda: set(listed(b)) == {own_a, OTHER}, 30, 0.5), listed(b)
+    other = listed(a)[OTHER]["swarm"]
+    assert other["holders"] == [{"peer_id": b_id, "layers": [0, 4]}]
+    assert other["complete"] and other["routable"] and other["num_layers"] == 4
+    # A's model comes from a plain folder: listed, but B cannot route it.
+    assert listed(b)[own_a]["swarm"]["routable"] is False
+    status, detail = _get(a, f"/v1/models/{OTHER}")
+    assert status == 200 and detail["id"] == OTHER
+    assert _get(a, "/v1/models/nobody-serves-this")[0] == 404
+    shown = subprocess.run(
+        [sys.executable, "-m", "swarmd", "models", "--url", a.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert f"{OTHER}  4 layers  covered 0:4  gaps none  routable here" in lines
+    assert f"  {b_id[-8:]}  layers 0:4" in lines
+    assert any(line.startswith(f"{own_a}  4 layers") for line in lines)
+
+
+def test_a_model_that_leaves_the_swarm_leaves_every_list(
+    folders: tuple[Path, Path], a: NodeProcess, b: NodeProcess, tmp_path: Path
+) -> None:
+    """Stopped, its node withdraws it at once; killed, it goes when its records expire."""
+    leaver = tmp_path / "leaver"
+    shutil.copytree(folders[0], leaver)
+    config = tmp_path / "short.toml"
+    config.write_text("record_ttl_s = 5.0\nrepublish_interval_s = 2.0\n")
+    boot = ["--bootstrap", b.p2p_addrs[0], "--torch-threads", "1", "--config", str(config)]
+    node = start_node(
+        [
+            "--port",
+            "0",
+            "--p2p-port",
+            "0",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--model",
+            str(leaver),
+            *boot,
+        ],
+        tmp_path,
+    )
+    try:
+        assert wait_until(lambda: "leaver" in listed(a) and "leaver" in listed(b), 30, 0.5)
+        node.proc.kill()  # no withdrawal: its records run out
+        node.proc.wait(timeout=30)
+        assert wait_until(lambda: "leaver" not in listed(a), 30, 0.5), listed(a)
+        assert "leaver" not in listed(b)
+    finally:
+        node.stop()
+
+
+def _get(node: NodeProcess, path: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(node.url + path, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
 def test_a_model_nobody_serves_is_a_404_naming_model(a: NodeProcess) -> None:

@@ -269,6 +269,8 @@ def test_withdraw_removes_the_holder_at_once() -> None:
             found, _ = await holders_within(n["E"], "m")
             assert [r.peer_id for r in found] == sorted(n[x].host.peer_id for x in "BC")
 
+    run(body)
+
 
 def test_a_replayed_ready_record_never_undoes_a_withdrawal() -> None:
     """Before: once the short-lived withdrawal expired, anyone who had kept B's earlier
@@ -337,8 +339,6 @@ def test_twenty_made_up_providers_do_not_hide_an_honest_holder() -> None:
     # Each lookup dials every made-up provider (a small swarm's lookups start from the
     # whole peerstore): slower than the other tests, though each lookup is bounded.
     run(body, deadline_s=2 * RUN_DEADLINE_S)
-
-    run(body)
 
 
 def test_bootstrap_names_a_bad_or_unreachable_address() -> None:
