@@ -318,6 +318,10 @@ class Node:
         self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 
+    def coordinated_models(self) -> list[CommonModel]:
+        """The models this node has coordinated without holding layers of them."""
+        return list(self._common.values())
+
     async def common_model(self, model_id: str) -> CommonModel:
         """A model of the swarm this node holds no layers of (`ModelFinder`): the variant
         its holders agree on, and its common files taken from them once (then from the

@@ -144,6 +144,12 @@ def _section_node(node: Node) -> str:
         f"({model.weights} weights, {model.dtype_name} kernels, {model.backend})",
         f"api           {node.api_url or '-'}",
     ]
+    for common in node.coordinated_models():
+        v = common.variant
+        lines.append(
+            f"coordinates   {common.model_id} ({v.content_id[:16]}, {v.weights} weights, "
+            f"{v.dtype_name}): no layers here, common files in {common.source.model_dir}"
+        )
     return "\n".join(lines)
 
 

@@ -17,6 +17,10 @@ const state = {
   panel: null,
   holders: {},         // short id -> {peer_id, layers}
   timer: null,
+  peers: {},           // peer id -> row of /api/peers (RTT, connected)
+  selfId: "",          // this node's peer id
+  peersNote: "",       // why peer details are missing ("" when /api/peers answered)
+  swarmBusy: false,    // a Swarm refresh is in flight: the next tick skips
 };
 
 function loadJson(key, fallback) {
@@ -43,15 +47,20 @@ function newId() {
 
 // --- models ---------------------------------------------------------------------------
 
-function missingRanges(swarm) {
+// Layers no holder covers, as [start, end) pairs: the holes in `coverage`.
+function gapRanges(swarm) {
   const gaps = [];
   let at = 0;
   for (const [start, end] of swarm.coverage || []) {
-    if (start > at) gaps.push(`${at}:${start}`);
+    if (start > at) gaps.push([at, start]);
     at = Math.max(at, end);
   }
-  if (at < swarm.num_layers) gaps.push(`${at}:${swarm.num_layers}`);
+  if (at < swarm.num_layers) gaps.push([at, swarm.num_layers]);
   return gaps;
+}
+
+function missingRanges(swarm) {
+  return gapRanges(swarm).map(([start, end]) => `${start}:${end}`);
 }
 
 function unroutableReason(entry) {
@@ -83,6 +92,7 @@ async function refreshModels() {
     }
   }
   renderModels();
+  if (state.panel === "swarm") renderSwarm();
 }
 
 function renderModels() {
@@ -481,7 +491,7 @@ function setStreaming(on) {
 
 // --- side column ----------------------------------------------------------------------
 
-const PANEL_TITLES = { chats: "Chats", performance: "Performance", settings: "Settings" };
+const PANEL_TITLES = { chats: "Chats", performance: "Performance", swarm: "Swarm", settings: "Settings" };
 
 function showPanel(name) {
   state.panel = state.panel === name ? null : name;
@@ -499,6 +509,11 @@ function showPanel(name) {
     renderPerformance();
     // Refreshed while open: holders (for the peer ids) and the charts.
     state.timer = setInterval(async () => { await refreshModels(); renderPerformance(); }, 3000);
+  }
+  if (state.panel === "swarm") {
+    renderSwarm();
+    refreshSwarm();
+    state.timer = setInterval(refreshSwarm, SWARM_REFRESH_MS);
   }
 }
 
@@ -577,6 +592,170 @@ function renderChart(values) {
   label.setAttribute("class", "axis");
   label.textContent = `max ${max.toFixed(1)} tok/s`;
   svg.appendChild(label);
+}
+
+// --- the swarm view -------------------------------------------------------------------
+// One card per model of /v1/models: a lane per holder over layers [0, num_layers), its
+// range drawn in the peer's own colour, and a lane of the gaps in red. Every colour has
+// its text beside it (short ids, ranges, "gap a:b"), so the view reads without colour.
+
+const SWARM_REFRESH_MS = 3000;
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+// A stable hue per peer id (FNV-1a), so a peer keeps its colour across models and reloads.
+function peerHue(peerId) {
+  let hash = 0x811c9dc5;
+  for (let i = 0; i < peerId.length; i++) {
+    hash ^= peerId.charCodeAt(i);
+    hash = Math.imul(hash, 0x01000193) >>> 0;
+  }
+  return hash % 360;
+}
+
+// RTTs come from /api/peers, an admin-scope endpoint: without it the layers still show.
+async function refreshPeers() {
+  try {
+    const response = await fetch("/api/peers", { headers: headers() });
+    if (response.status === 401 || response.status === 403) {
+      state.peers = {};
+      state.peersNote = "RTTs need an admin-scope token (swarmd token create --scope admin); the layers below are shown without one.";
+      return;
+    }
+    if (!response.ok) throw new Error(await errorText(response));
+    const body = await response.json();
+    state.selfId = body.peer_id || state.selfId;
+    state.peers = Object.fromEntries((body.peers || []).map((row) => [row.peer_id, row]));
+    state.peersNote = "";
+  } catch (err) {
+    state.peers = {};
+    state.peersNote = `No peer details: ${err.message}`;
+  }
+}
+
+async function refreshSelfId() {
+  if (state.selfId) return;
+  try {
+    const response = await fetch("/health");  // open: names this node even without a token
+    if (response.ok) state.selfId = (await response.json()).peer_id || "";
+  } catch { /* shown without the "this node" mark */ }
+}
+
+async function refreshSwarm() {
+  if (state.swarmBusy) return;  // a slow DHT lookup must not pile up requests
+  state.swarmBusy = true;
+  try {
+    await Promise.all([refreshPeers(), refreshModels(), refreshSelfId()]);
+  } finally {
+    state.swarmBusy = false;
+  }
+  if (state.panel === "swarm") renderSwarm();
+}
+
+// What is known of one holder, as text: RTT, connection, speed when the node reports one.
+function holderFacts(modelId, holder) {
+  if (holder.peer_id === state.selfId) return { short: "this node", detail: "this node" };
+  const row = state.peers[holder.peer_id];
+  const facts = [];
+  let short = "";
+  if (row) {
+    if (row.rtt_ms != null) {
+      short = `${Math.round(row.rtt_ms)} ms`;
+      facts.push(`RTT ${Number(row.rtt_ms).toFixed(1)} ms`);
+    } else {
+      facts.push("RTT not measured yet");
+    }
+    if (row.connected === false) facts.push("not connected");
+    if (row.failures) facts.push(`${row.failures} failure${row.failures > 1 ? "s" : ""}`);
+    const serves = (row.serves || []).find((s) => s.model === modelId) || {};
+    const tps = serves.throughput_tps ?? row.throughput_tps;
+    if (tps != null) facts.push(`${Number(tps).toFixed(1)} tok/s`);
+  } else {
+    facts.push(state.peersNote ? "RTT unavailable" : "RTT unknown");
+  }
+  return { short, detail: facts.join(" · ") };
+}
+
+function laneNode(label, title) {
+  const lane = el("div", "lane");
+  lane.setAttribute("role", "listitem");
+  lane.title = title;
+  lane.append(el("span", "lane-label", label), el("div", "track"));
+  return lane;
+}
+
+function segmentNode(start, end, numLayers, text) {
+  const seg = el("span", "seg", text);
+  seg.style.left = `${(start / numLayers) * 100}%`;
+  seg.style.width = `${((end - start) / numLayers) * 100}%`;
+  return seg;
+}
+
+function swarmCard(entry) {
+  const swarm = entry.swarm || {};
+  const numLayers = Math.max(1, swarm.num_layers || 1);
+  const holders = [...(swarm.holders || [])].sort(
+    (a, b) => a.layers[0] - b.layers[0] || a.layers[1] - b.layers[1] || a.peer_id.localeCompare(b.peer_id));
+  const gaps = gapRanges(swarm);
+  const reason = unroutableReason(entry);
+  const card = el("section", "swarm-model");
+  card.dataset.model = entry.id;
+  card.setAttribute("aria-label", `Model ${entry.id}`);
+  const head = el("div", "swarm-head");
+  const badge = el("span", "badge", reason ? "not routable" : "routable");
+  badge.dataset.routable = String(!reason);
+  if (reason) badge.title = reason;
+  head.append(el("span", "swarm-id", entry.id), badge);
+  const parts = [`${swarm.num_layers ?? "?"} layers`, `${holders.length} holder${holders.length === 1 ? "" : "s"}`];
+  parts.push(gaps.length ? gaps.map(([a, b]) => `gap ${a}:${b}`).join(", ") : "every layer is served");
+  if (reason && !gaps.length) parts.push(reason);
+  const summary = el("p", "swarm-summary", parts.join(" · "));
+  const lanes = el("div", "lanes");
+  lanes.setAttribute("role", "list");
+  for (const holder of holders) {
+    const [start, end] = holder.layers;
+    const shortId = holder.peer_id.slice(-8);
+    const facts = holderFacts(entry.id, holder);
+    const lane = laneNode(shortId, `${shortId} · layers ${start}:${end} · ${facts.detail}`);
+    lane.classList.add("holder");
+    lane.dataset.peer = holder.peer_id;
+    const seg = segmentNode(start, end, numLayers, `${start}:${end}`);
+    const hue = peerHue(holder.peer_id);
+    seg.style.background = `hsl(${hue} 65% 82%)`;
+    seg.style.borderColor = `hsl(${hue} 50% 42%)`;
+    lane.querySelector(".track").appendChild(seg);
+    lane.appendChild(el("span", "lane-rtt", facts.short));
+    lanes.appendChild(lane);
+  }
+  const gapLane = laneNode("gaps", gaps.length
+    ? `layers no holder serves: ${gaps.map(([a, b]) => `${a}:${b}`).join(", ")}`
+    : "no gaps: every layer has a holder");
+  gapLane.classList.add("gaps");
+  for (const [start, end] of gaps) {
+    const seg = segmentNode(start, end, numLayers, `gap ${start}:${end}`);
+    seg.classList.add("gap");
+    gapLane.querySelector(".track").appendChild(seg);
+  }
+  gapLane.appendChild(el("span", "lane-rtt", gaps.length ? "" : "none"));
+  lanes.appendChild(gapLane);
+  const axis = el("div", "swarm-axis");
+  axis.setAttribute("aria-hidden", "true");
+  axis.append(el("span", "", "layer 0"), el("span", "", String(swarm.num_layers ?? "?")));
+  card.append(head, summary, lanes, axis);
+  return card;
+}
+
+function renderSwarm() {
+  $("#swarm-note").textContent = state.peersNote;
+  const box = $("#swarm-models");
+  box.textContent = "";
+  if (!state.models.length) box.appendChild(el("p", "hint", "No model listed yet."));
+  for (const entry of state.models) box.appendChild(swarmCard(entry));
 }
 
 function renderSettings() {

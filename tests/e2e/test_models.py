@@ -95,6 +95,9 @@ def test_a_node_answers_a_model_it_holds_no_layers_of(a: NodeProcess, b: NodePro
     assert {"manifest.json", "tokenizer.json"} <= taken
     assert not any(name.endswith(".safetensors") for name in taken), taken
     assert "coordinating other" in a.log_text()
+    with urllib.request.urlopen(f"{a.url}/api/admin/diagnostics", timeout=30) as response:
+        report = response.read().decode()
+    assert f"coordinates   {OTHER} (" in report
     # Sampled, several choices, and A's own model still served alongside.
     status, many, _ = chat(a, OTHER, temperature=0.9, seed=3, n=2)
     status_b, many_b, _ = chat(b, OTHER, temperature=0.9, seed=3, n=2)
