@@ -29,6 +29,11 @@ DENSE: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32
 AUTO = "auto"
 INT4_GROUP = 32  # values per int4 scale/zero pair along a row (GGUF's Q4 block size)
 
+# A quantized tensor `X` is stored as several tensors named X + suffix (model/quant.py
+# writes them; memory sizing reads them from headers without loading torch).
+INT4_SUFFIXES = (".int4", ".int4_scale", ".int4_zero")
+INT8_SUFFIXES = (".int8", ".int8_scale")
+
 # Bytes per stored item of each safetensors dtype tag (file sizes, memory sizing).
 SAFETENSORS_ITEM: dict[str, int] = {
     "F64": 8,

@@ -17,7 +17,9 @@
 - `families.py`      which transformers classes build an exact-path stage
 - `stage.py`         `StageModule` (transformers modules, layers renumbered), `load_stage`
 - `runtime.py`       `Stage` (what a runtime runs), `StageRuntime`: sessions and samplers
-- `sampling.py`      `SamplingParams`, the filters, `Sampler`, seeds per position and choice
+- `sampling.py`      `SamplingParams`, `TokenLogprobs`, `Sampled`, seeds per position and
+                     choice (no torch: a coordinator's)
+- `sampler.py`       the filters and `Sampler` (torch: the last stage's)
 - `grammar.py`       structured outputs (llguidance): `GrammarSpec`, `Constraint`
 - `token_bytes.py`   each token's bytes (logprobs' `bytes`)
 - `tool_prompt.py`   offering tools: checks, families, the prompt (template or fallback)

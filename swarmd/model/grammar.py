@@ -39,14 +39,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import llguidance
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from swarmd.errors import InternalError, InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
 
 GrammarKind = Literal["json_object", "json_schema", "tool_calls"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
@@ -415,6 +417,10 @@ class Constraint:
     """
 
     def __init__(self, compiled: CompiledGrammar) -> None:
+        # torch only here and in the tensor methods: a coordinator compiles a request's
+        # grammar to check it (`compile_grammar`) and never holds a Constraint.
+        import torch
+
         self.compiled = compiled
         self._vocab = compiled.vocab
         self._matcher = compiled._fresh()
@@ -441,10 +447,14 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens that may come next (never none)."""
+        import torch
+
         return torch.from_numpy(self._bias() == 0.0)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [V] float32 -> a copy with every disallowed token at -inf."""
+        import torch
+
         if logits.shape != (self._vocab.logits_width,):
             raise InternalError(
                 f"grammar mask for {self._vocab.logits_width} logits, given {tuple(logits.shape)}"

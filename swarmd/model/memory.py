@@ -14,13 +14,19 @@ import os
 from pathlib import Path
 from typing import Any
 
-from swarmd.dtypes import FLOAT_TAGS, INT4_GROUP, SAFETENSORS_ITEM, held_format, label_formats
+from swarmd.dtypes import (
+    FLOAT_TAGS,
+    INT4_GROUP,
+    INT4_SUFFIXES,
+    INT8_SUFFIXES,
+    SAFETENSORS_ITEM,
+    held_format,
+    label_formats,
+)
 from swarmd.errors import ModelLoadError
 from swarmd.model.layers import tensor_layer
 from swarmd.model.manifest import Manifest
-from swarmd.model.quant import INT4_SUFFIXES, INT8_SUFFIXES
 from swarmd.model.source import ModelSource
-from swarmd.model.tensorfile import read_header
 
 # Bytes a node holds per weight of each format (int4: 4 bits + a 16-bit scale and zero per
 # 32 weights; int8: the per-row scale is negligible).
@@ -114,6 +120,10 @@ def _folder_layer_bytes(model_dir: Path, weights: str, dtype: str) -> list[int]:
 
 def safetensors_sizes(path: Path, weights: str, dtype: str) -> dict[str, int]:
     """Tensor name (a quantized matrix once, by its own name) -> bytes as held."""
+    # tensorfile imports torch at import time; a coordinator sizes nothing, so only a
+    # node placing layers pays for it.
+    from swarmd.model.tensorfile import read_header
+
     header, _ = read_header(path)
     sizes: dict[str, int] = {}
     for name, info in header.items():

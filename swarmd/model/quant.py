@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from swarmd.dtypes import DENSE, INT4_GROUP
+from swarmd.dtypes import DENSE, INT4_GROUP, INT4_SUFFIXES, INT8_SUFFIXES
 from swarmd.errors import ModelLoadError
 from swarmd.model.tensorfile import TensorReader, TensorSpec
 
@@ -182,10 +182,8 @@ def target_format(fmt: str, shape: tuple[int, ...]) -> str:
 
 
 # --- stored form ------------------------------------------------------------------------
-
-# A quantized tensor `X` is stored as several tensors named X + suffix.
-INT4_SUFFIXES = (".int4", ".int4_scale", ".int4_zero")
-INT8_SUFFIXES = (".int8", ".int8_scale")
+# A quantized tensor `X` is stored as several tensors named X + INT4_SUFFIXES or
+# INT8_SUFFIXES (swarmd/dtypes.py).
 
 
 def pack_nibbles(values: torch.Tensor) -> torch.Tensor:

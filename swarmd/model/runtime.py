@@ -18,7 +18,8 @@ from swarmd.errors import ContextLengthError, InternalError, OverloadedError, Sw
 from swarmd.model.grammar import GrammarSpec
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
-from swarmd.model.sampling import Constraint, Sampled, Sampler, SamplingParams, TokenLogprobs
+from swarmd.model.sampler import Sampler
+from swarmd.model.sampling import Constraint, Sampled, SamplingParams, TokenLogprobs
 
 
 class Stage(Protocol):

@@ -36,7 +36,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import trio
 
 from swarmd.errors import (
@@ -121,9 +120,9 @@ class Ring:
         if self._up is None or self._ret is None:
             raise InternalError("step() on a ring that is not open")
         n = self._n
-        inputs = torch.tensor([token_ids], dtype=torch.long)  # [1, T]
         try:
-            await self._up.send(wire.step_frame(n, want, inputs, [], 0, alone))
+            # The ids as a list: a coordinator that holds no layers builds no tensor.
+            await self._up.send(wire.step_frame(n, want, list(token_ids), [], 0, alone))
         except PeerError as exc:
             # Stage 0 may have closed its link after reporting a stage behind it: that
             # report, not stage 0, says who failed.

@@ -52,9 +52,9 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from swarmd.dtypes import COMPUTE_DTYPES, dtype_name, torch_dtype
 from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
@@ -77,6 +77,9 @@ from swarmd.untrusted import (
     Struct,
     Tuple,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE_PROTOCOL = "/swarmd/stage/1"
 
@@ -290,7 +293,8 @@ def _read(schema: Schema, frame: Any) -> dict[str, Any]:
 
 
 def ints_to_bytes(values: list[int] | tuple[int, ...]) -> bytes:
-    return torch.tensor(list(values), dtype=torch.int32).numpy().tobytes()
+    """int32 little-endian, as `_ints` reads them (numpy: a coordinator has no torch)."""
+    return np.asarray(values, dtype="<i4").tobytes()
 
 
 # Optional `sampling` keys and the swarmd version whose stages first read them. An older
@@ -354,14 +358,19 @@ def open_frame(req: OpenRequest) -> dict[str, Any]:
 def step_frame(
     n: int,
     want: bool,
-    inputs: torch.Tensor,
+    inputs: torch.Tensor | list[int],
     stage_ms: list[float],
     activation_bytes: int,
     alone: bool = False,
 ) -> dict[str, Any]:
-    """inputs: [1, T] token ids (to the first stage) or [1, T, H] hidden states. `alone`:
-    attend each position as a one-token step would (a failover's replay of a reply)."""
+    """inputs: token ids (to the first stage: a list, or a [1, T] tensor) or [1, T, H]
+    hidden states. `alone`: attend each position as a one-token step would (a failover's
+    replay of a reply). Ids as a list need no torch (a coordinator's ring sends them)."""
     common = {"t": "step", "n": n, "want": want, "alone": alone, "ms": stage_ms}
+    if isinstance(inputs, list):
+        return _build(STEP_IDS, **common, ab=activation_bytes, ids=ints_to_bytes(inputs))
+    import torch  # only a stage holds tensors
+
     if inputs.dim() == 2:
         ids = inputs[0].to(torch.int32).numpy().tobytes()
         return _build(STEP_IDS, **common, ab=activation_bytes, ids=ids)
@@ -501,6 +510,8 @@ def parse_step(
         ids = _ints(f["ids"], "ids", limits.vocab_size, MAX_STEP_TOKENS)
         if not ids:
             raise MalformedFrameError("a step of no tokens")
+        import torch  # only a stage parses steps
+
         inputs = torch.tensor([ids], dtype=torch.long)  # [1, T]
     else:
         inputs = _hidden(f, limits.hidden_size, dtype)
@@ -517,6 +528,8 @@ def parse_hidden(frame: dict[str, Any], hidden_size: int, dtype: torch.dtype) ->
 
 
 def _hidden(f: dict[str, Any], hidden_size: int, dtype: torch.dtype) -> torch.Tensor:
+    import torch  # hidden states reach stages only
+
     wire_dtype = torch_dtype(f["dt"])
     tokens, width = f["shape"]
     if not 1 <= tokens <= MAX_STEP_TOKENS:
@@ -582,7 +595,7 @@ def _ints(value: bytes, name: str, upper: int, max_count: int) -> list[int]:
         raise MalformedFrameError(f"'{name}' is not int32 bytes of at most {max_count} items")
     if not value:
         return []
-    ids = torch.frombuffer(bytearray(value), dtype=torch.int32)
+    ids = np.frombuffer(value, dtype="<i4")
     if int(ids.min()) < 0 or int(ids.max()) >= upper:
         raise MalformedFrameError(f"'{name}' holds a token id outside 0..{upper - 1}")
     return ids.tolist()

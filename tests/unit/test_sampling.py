@@ -8,17 +8,15 @@ from collections import Counter
 import pytest
 import torch
 
-from swarmd.model.sampling import (
-    IMPOSSIBLE,
+from swarmd.model.sampler import (
     Sampler,
-    SamplingParams,
     apply_logit_bias,
     apply_penalties,
-    draw_seed,
     min_p_filter,
     top_k_filter,
     top_p_filter,
 )
+from swarmd.model.sampling import IMPOSSIBLE, SamplingParams, draw_seed
 
 NEG_INF = float("-inf")
 
