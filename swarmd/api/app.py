@@ -190,6 +190,7 @@ async def peers(request: web.Request) -> web.Response:
                         "model": record.model_id,
                         "layers": [record.layer_start, record.layer_end],
                         "state": record.state,
+                        "throughput_tps": record.throughput_tps,
                     }
                 ],
             }

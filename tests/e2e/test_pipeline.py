@@ -87,6 +87,12 @@ class Swarm:
 
         assert wait_until(measured, timeout_s, 0.5), f"{coordinator} never pinged {names}"
 
+    def rtt_ms(self, coordinator: str, name: str) -> float | None:
+        """The coordinator's round trip to a named node, as its planner sees it."""
+        peer_id = str(self.nodes[name].health()["peer_id"])
+        rows = self.nodes[coordinator].get_json("/api/peers")["peers"]  # type: ignore[index]
+        return next((r["rtt_ms"] for r in rows if r["peer_id"] == peer_id), None)
+
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
@@ -407,6 +413,14 @@ def test_a_hostile_stage_is_banned_and_routed_around(
         )
         swarm.wait_holders("a", 4)
         swarm.wait_rtts("a", ["h", "b2", "c"])
+
+        def h_is_preferred() -> bool:
+            # h's claim saves the 5 ms default layer cost at most: on a loaded box its
+            # first pings may all have met a stall, and then every plan takes b2.
+            h, b2 = swarm.rtt_ms("a", "h"), swarm.rtt_ms("a", "b2")
+            return h is not None and b2 is not None and h < b2 + 4.0
+
+        assert wait_until(h_is_preferred, 90, 1.0), "a never measured h about as near as b2"
         hostile = swarm.short_id("h")
         body = chat_body("Tell me about the sea.", 12)
         body["model"] = tiny_reference.model_id
