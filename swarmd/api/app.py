@@ -234,30 +234,10 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[list[int]]:
 async def _model_entry(node: Node) -> dict[str, Any]:
     model = node.model
     records = [r for r in await _holders(node) if r.state == "ready"]
-    holders = {r.peer_id: [r.layer_start, r.layer_end] for r in records}
+    holders = {r.peer_id: (r.layer_start, r.layer_end) for r in records}
     # This node serves its range even when the DHT is slow to answer.
-    holders.setdefault(node.identity.peer_id, [model.layers.start, model.layers.end])
-    coverage = merge_ranges([(a, b) for a, b in holders.values()])
-    # Routable: the holders this node would use (banned peers left out) cover every layer.
-    banned = node.banned()
-    usable = merge_ranges([(a, b) for p, (a, b) in holders.items() if p not in banned])
-    return {
-        "id": model.model_id,
-        "object": "model",
-        "created": int(node.started_wall),
-        "owned_by": "swarmd",
-        "context_length": model.context_length,
-        "swarm": {
-            "holders": [
-                {"peer_id": peer_id, "layers": layers}
-                for peer_id, layers in sorted(holders.items())
-            ],
-            "coverage": coverage,
-            "num_layers": model.num_layers,
-            "complete": coverage == [[0, model.num_layers]],
-            "routable": model.is_whole or usable == [[0, model.num_layers]],
-        },
-    }
+    holders.setdefault(node.identity.peer_id, (model.layers.start, model.layers.end))
+    return _entry(node, model.model_id, model.context_length, model.num_layers, holders, True)
 
 
 async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | None:
@@ -272,27 +252,42 @@ async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | Non
         chosen = [r for r in ready if r.model_hash == variant.content_id]
     except ModelNotFoundError:
         variant, chosen = None, ready  # served without a manifest: not routable here
-    num_layers = chosen[0].num_layers
-    holders = {r.peer_id: [r.layer_start, r.layer_end] for r in chosen}
-    coverage = merge_ranges([(a, b) for a, b in holders.values()])
-    banned = node.banned()
-    usable = merge_ranges([(a, b) for p, (a, b) in holders.items() if p not in banned])
+    holders = {r.peer_id: (r.layer_start, r.layer_end) for r in chosen}
     hashes = {e.model_hash: e for _, e in listed.listed_by}
     listing = hashes.get(variant.content_id if variant else "") or listed.listed_by[0][1]
+    num_layers = chosen[0].num_layers
+    return _entry(
+        node, listed.model_id, listing.context_length, num_layers, holders, variant is not None
+    )
+
+
+def _entry(
+    node: Node,
+    model_id: str,
+    context_length: int,
+    num_layers: int,
+    holders: dict[str, tuple[int, int]],
+    can_route: bool,
+) -> dict[str, Any]:
+    """A `/v1/models` entry; routable when this node can route the model at all and the
+    holders it would use (banned peers left out) cover every layer."""
+    coverage = merge_ranges(list(holders.values()))
+    banned = node.banned()
+    usable = merge_ranges([r for p, r in holders.items() if p not in banned])
     return {
-        "id": listed.model_id,
+        "id": model_id,
         "object": "model",
         "created": int(node.started_wall),
         "owned_by": "swarmd",
-        "context_length": listing.context_length,
+        "context_length": context_length,
         "swarm": {
             "holders": [
-                {"peer_id": peer_id, "layers": layers}
+                {"peer_id": peer_id, "layers": list(layers)}
                 for peer_id, layers in sorted(holders.items())
             ],
             "coverage": coverage,
             "num_layers": num_layers,
             "complete": coverage == [[0, num_layers]],
-            "routable": variant is not None and usable == [[0, num_layers]],
+            "routable": can_route and usable == [[0, num_layers]],
         },
     }

@@ -44,7 +44,14 @@ from typing import Any
 
 import msgpack
 
-from swarmd.dht.records import MAX_ID_CHARS, MAX_LAYERS, MAX_SEQ, MAX_TTL_S
+from swarmd.dht.records import (
+    MAX_ID_CHARS,
+    MAX_LAYERS,
+    MAX_SEQ,
+    MAX_TTL_S,
+    length_prefixed,
+    unpack_value,
+)
 from swarmd.errors import (
     BadSignatureError,
     ExpiredRecordError,
@@ -53,7 +60,7 @@ from swarmd.errors import (
     WrongOwnerError,
 )
 from swarmd.net.identity import Identity, public_key_from_peer_id, verify
-from swarmd.untrusted import Bytes, Float, Int, List, Schema, Str, Tuple, check_msgpack_budget
+from swarmd.untrusted import Bytes, Float, Int, List, Schema, Str, Tuple
 
 __all__ = [
     "INDEX_SIGNING_DOMAIN",
@@ -137,11 +144,6 @@ class IndexRecord:
 # --- keys -------------------------------------------------------------------------------
 
 
-def _lp(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return len(raw).to_bytes(4, "big") + raw
-
-
 _CATALOG_KEY = (
     _CATALOG_KEY_PREFIX + hashlib.sha256(CATALOG_KEY_DOMAIN).digest()[:_KEY_DIGEST_BYTES].hex()
 )
@@ -154,7 +156,7 @@ def catalog_key() -> str:
 
 def index_key(peer_id: str) -> str:
     """The DHT key of `peer_id`'s index (42 ASCII bytes)."""
-    digest = hashlib.sha256(INDEX_KEY_DOMAIN + _lp(peer_id)).digest()
+    digest = hashlib.sha256(INDEX_KEY_DOMAIN + length_prefixed(peer_id)).digest()
     return _INDEX_KEY_PREFIX + digest[:_KEY_DIGEST_BYTES].hex()
 
 
@@ -212,35 +214,10 @@ def sign_index(identity: Identity, index: IndexRecord) -> bytes:
 # --- validation -------------------------------------------------------------------------
 
 
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ValueError(f"msgpack ext type {code} is not allowed")
-
-
 def _unpack(value: object) -> dict[str, Any]:
-    if not isinstance(value, bytes | bytearray | memoryview):
-        raise MalformedRecordError(f"an index is bytes, got {type(value).__name__}")
-    size = value.nbytes if isinstance(value, memoryview) else len(value)
-    if size > MAX_INDEX_BYTES:
-        raise RecordTooLargeError(f"the index is {size} bytes, over {MAX_INDEX_BYTES}")
-    # Counted before anything is built, as for every frame (untrusted.py).
-    check_msgpack_budget(
-        value, max_items=_MAX_INDEX_ITEMS, max_depth=_MAX_INDEX_DEPTH, error=MalformedRecordError
+    return unpack_value(
+        value, "index", MAX_INDEX_BYTES, _MAX_INDEX_ITEMS, _MAX_INDEX_DEPTH, _UNPACK_LIMITS
     )
-    try:
-        obj = msgpack.unpackb(
-            value,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            timestamp=0,
-            ext_hook=_refuse_ext,
-            **_UNPACK_LIMITS,
-        )
-    # As in records.py: msgpack signals every bad input as ValueError, and its "other
-    # exceptions" are TypeError and OverflowError.
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise MalformedRecordError(f"the index is not valid msgpack: {exc}") from exc
-    return obj
 
 
 def _text(max_chars: int) -> Str:

@@ -63,9 +63,11 @@ __all__ = [
     "RecordStats",
     "decode_record",
     "decode_record_for_key",
+    "length_prefixed",
     "model_key",
     "record_key",
     "sign_record",
+    "unpack_value",
 ]
 
 RECORD_SIGNING_DOMAIN = b"swarmd-record-v1\x00"
@@ -145,20 +147,21 @@ _FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(NodeRecord))
 # --- keys -------------------------------------------------------------------------------
 
 
-def _lp(text: str) -> bytes:
+def length_prefixed(text: str) -> bytes:
     raw = text.encode("utf-8")
     return len(raw).to_bytes(4, "big") + raw
 
 
 def record_key(model_id: str, peer_id: str) -> str:
     """The DHT key of `peer_id`'s record for `model_id` (42 ASCII bytes)."""
-    digest = hashlib.sha256(RECORD_KEY_DOMAIN + _lp(model_id) + _lp(peer_id)).digest()
+    named = length_prefixed(model_id) + length_prefixed(peer_id)
+    digest = hashlib.sha256(RECORD_KEY_DOMAIN + named).digest()
     return _RECORD_KEY_PREFIX + digest[:_KEY_DIGEST_BYTES].hex()
 
 
 def model_key(model_id: str) -> str:
     """The DHT key shared by every node serving `model_id` (42 ASCII bytes)."""
-    digest = hashlib.sha256(MODEL_KEY_DOMAIN + _lp(model_id)).digest()
+    digest = hashlib.sha256(MODEL_KEY_DOMAIN + length_prefixed(model_id)).digest()
     return _MODEL_KEY_PREFIX + digest[:_KEY_DIGEST_BYTES].hex()
 
 
@@ -209,14 +212,26 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 
 def _unpack(value: object) -> dict[str, Any]:
+    return unpack_value(value, "record", MAX_RECORD_BYTES, _MAX_RECORD_ITEMS, 3, _UNPACK_LIMITS)
+
+
+def unpack_value(
+    value: object,
+    what: str,
+    max_bytes: int,
+    max_items: int,
+    max_depth: int,
+    limits: dict[str, Any],
+) -> dict[str, Any]:
+    """A DHT value's msgpack, read with every limit (what it holds is checked after)."""
     if not isinstance(value, bytes | bytearray | memoryview):
-        raise MalformedRecordError(f"a record is bytes, got {type(value).__name__}")
+        raise MalformedRecordError(f"the {what} is not bytes but {type(value).__name__}")
     size = value.nbytes if isinstance(value, memoryview) else len(value)
-    if size > MAX_RECORD_BYTES:
-        raise RecordTooLargeError(f"the record is {size} bytes, over {MAX_RECORD_BYTES}")
+    if size > max_bytes:
+        raise RecordTooLargeError(f"the {what} is {size} bytes, over {max_bytes}")
     # Counted before anything is built, as for every frame (untrusted.py).
     check_msgpack_budget(
-        value, max_items=_MAX_RECORD_ITEMS, max_depth=3, error=MalformedRecordError
+        value, max_items=max_items, max_depth=max_depth, error=MalformedRecordError
     )
     try:
         obj = msgpack.unpackb(
@@ -226,14 +241,14 @@ def _unpack(value: object) -> dict[str, Any]:
             use_list=True,
             timestamp=0,
             ext_hook=_refuse_ext,
-            **_UNPACK_LIMITS,
+            **limits,
         )
     # msgpack signals every bad input as ValueError (ExtraData, FormatError, StackError,
     # UnicodeDecodeError and the limit checks are all ValueErrors); TypeError and
     # OverflowError cover what its docs call "other exceptions".
     except (ValueError, TypeError, OverflowError) as exc:
-        raise MalformedRecordError(f"the record is not valid msgpack: {exc}") from exc
-    return obj
+        raise MalformedRecordError(f"the {what} is not valid msgpack: {exc}") from exc
+    return obj  # type: ignore[no-any-return]
 
 
 def _text(max_chars: int, *, empty_ok: bool = False) -> Str:
