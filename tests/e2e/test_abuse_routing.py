@@ -47,6 +47,7 @@ def start_around(swarm: Swarm, name: str, mode: str) -> None:
     )
     swarm.wait_holders("a", 4)
     swarm.wait_rtts("a", [name, "b", "c"])
+    swarm.wait_near("a", name, "b")  # else the plans may never take the hostile stage
 
 
 def test_requests_at_the_bounds_pass_every_stage_and_too_many_logit_biases_are_a_400(

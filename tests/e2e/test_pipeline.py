@@ -93,6 +93,17 @@ class Swarm:
         rows = self.nodes[coordinator].get_json("/api/peers")["peers"]  # type: ignore[index]
         return next((r["rtt_ms"] for r in rows if r["peer_id"] == peer_id), None)
 
+    def wait_near(self, coordinator: str, name: str, rival: str, timeout_s: float = 90.0) -> None:
+        """Until the coordinator measures `name` within 4 ms of `rival`: a stage claiming
+        the best throughput saves at most the 5 ms default layer cost, so on a loaded box
+        (its first pings all met a stall) every plan would take the rival instead."""
+
+        def near() -> bool:
+            mine, theirs = self.rtt_ms(coordinator, name), self.rtt_ms(coordinator, rival)
+            return mine is not None and theirs is not None and mine < theirs + 4.0
+
+        assert wait_until(near, timeout_s, 1.0), f"{coordinator} never measured {name} as near"
+
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
@@ -413,14 +424,7 @@ def test_a_hostile_stage_is_banned_and_routed_around(
         )
         swarm.wait_holders("a", 4)
         swarm.wait_rtts("a", ["h", "b2", "c"])
-
-        def h_is_preferred() -> bool:
-            # h's claim saves the 5 ms default layer cost at most: on a loaded box its
-            # first pings may all have met a stall, and then every plan takes b2.
-            h, b2 = swarm.rtt_ms("a", "h"), swarm.rtt_ms("a", "b2")
-            return h is not None and b2 is not None and h < b2 + 4.0
-
-        assert wait_until(h_is_preferred, 90, 1.0), "a never measured h about as near as b2"
+        swarm.wait_near("a", "h", "b2")
         hostile = swarm.short_id("h")
         body = chat_body("Tell me about the sea.", 12)
         body["model"] = tiny_reference.model_id
