@@ -34,7 +34,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -53,7 +53,10 @@ from swarmd.errors import (
 from swarmd.net.loop_errors import first_of
 from swarmd.net.rpc import call_ping
 from swarmd.pipeline import wire
-from swarmd.pipeline.stage_service import REPORT_TIMEOUT_S, Link, StageService
+from swarmd.pipeline.links import REPORT_TIMEOUT_S, Link
+
+if TYPE_CHECKING:
+    from swarmd.pipeline.stage_service import StageService
 
 log = logging.getLogger(__name__)
 

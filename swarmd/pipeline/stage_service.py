@@ -29,7 +29,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import trio
@@ -51,6 +51,7 @@ from swarmd.net.host import P2PHost
 from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import wire
 from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
+from swarmd.pipeline.links import REPORT_TIMEOUT_S, Link, LoopLink
 
 log = logging.getLogger(__name__)
 
@@ -64,60 +65,9 @@ SignedAddrs = Callable[[str, bool], Awaitable[frozenset[str] | None]]
 no record known); from the records known already, or, `fresh`, from a lookup. The only
 addresses a next hop is dialed on."""
 
-REPORT_TIMEOUT_S = 1.0  # a failure report is best effort: never wait long to send it
 # All a failure report says of a next stage this stage could not reach: the dial's error
 # (refused, timed out, wrong peer) would make an `open` frame a port scanner.
 UNREACHABLE = "next stage unreachable"
-
-
-class Link(Protocol):
-    """A frame stream to one peer: `FrameStream`, or a `LoopLink` to this node."""
-
-    peer_id: str
-
-    async def send(self, obj: dict[str, Any], timeout_s: float | None = None) -> None: ...
-
-    async def recv(self, timeout_s: float) -> dict[str, Any]: ...
-
-    async def close(self) -> None: ...
-
-
-class LoopLink:
-    """One end of an in-memory link between two parts of this node (same frames)."""
-
-    def __init__(
-        self,
-        peer_id: str,
-        tx: trio.MemorySendChannel[dict[str, Any]],
-        rx: trio.MemoryReceiveChannel[dict[str, Any]],
-    ) -> None:
-        self.peer_id = peer_id
-        self._tx, self._rx = tx, rx
-
-    @classmethod
-    def pair(cls, peer_id: str) -> tuple[LoopLink, LoopLink]:
-        a_tx, b_rx = trio.open_memory_channel[dict[str, Any]](math.inf)
-        b_tx, a_rx = trio.open_memory_channel[dict[str, Any]](math.inf)
-        return cls(peer_id, a_tx, a_rx), cls(peer_id, b_tx, b_rx)
-
-    async def send(self, obj: dict[str, Any], timeout_s: float | None = None) -> None:
-        try:
-            self._tx.send_nowait(obj)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise StreamClosedError("local link closed", self.peer_id) from exc
-
-    async def recv(self, timeout_s: float) -> dict[str, Any]:
-        try:
-            with trio.fail_after(timeout_s):
-                return await self._rx.receive()
-        except trio.TooSlowError:
-            raise RecvTimeoutError(f"no frame in {timeout_s:g} s", self.peer_id) from None
-        except (trio.EndOfChannel, trio.ClosedResourceError) as exc:
-            raise StreamClosedError("local link closed", self.peer_id) from exc
-
-    async def close(self) -> None:
-        await self._tx.aclose()
-        await self._rx.aclose()
 
 
 @dataclass(frozen=True)

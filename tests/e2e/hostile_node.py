@@ -26,7 +26,8 @@ from swarmd.cli import app
 from swarmd.errors import PeerError
 from swarmd.pipeline import wire
 from swarmd.pipeline.coordinator import Coordinator
-from swarmd.pipeline.stage_service import Link, StageService
+from swarmd.pipeline.links import Link
+from swarmd.pipeline.stage_service import StageService
 
 MODES = ("shape", "dtype", "nan", "blame", "hangup")
 

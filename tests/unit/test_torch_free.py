@@ -24,6 +24,8 @@ TORCH_FREE = (
     "swarmd.model.common",
     "swarmd.model.text",
     "swarmd.pipeline.wire",
+    "swarmd.pipeline.links",
+    "swarmd.pipeline.ring",
     "swarmd.pipeline.route",
     "swarmd.pipeline.variants",
     "swarmd.dht.swarm",
