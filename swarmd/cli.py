@@ -245,20 +245,19 @@ def models(url: Url = DEFAULT_URL, token: Token = None) -> None:
 
 def model_lines(entry: dict[str, Any]) -> list[str]:
     """One model of `/v1/models` as `swarmd models` prints it."""
+    from swarmd.model.layers import LayerRange
+    from swarmd.pipeline.placement import coverage as layer_counts
+    from swarmd.pipeline.placement import gaps
+
     swarm = entry.get("swarm", {})
     total = swarm.get("num_layers", 0)
     coverage = [tuple(r) for r in swarm.get("coverage", [])]
-    gaps, reached = [], 0
-    for start, end in coverage:
-        if start > reached:
-            gaps.append(f"{reached}:{start}")
-        reached = max(reached, end)
-    if reached < total:
-        gaps.append(f"{reached}:{total}")
+    held = (LayerRange(a, b) for a, b in coverage)
+    missing = [f"{g.start}:{g.end}" for g in gaps(layer_counts(total, held))]
     state = "routable here" if swarm.get("routable") else "not routable here"
     covered = ",".join(f"{a}:{b}" for a, b in coverage) or "-"
     lines = [
-        f"{entry['id']}  {total} layers  covered {covered}  gaps {','.join(gaps) or 'none'}  "
+        f"{entry['id']}  {total} layers  covered {covered}  gaps {','.join(missing) or 'none'}  "
         f"{state}"
     ]
     for holder in swarm.get("holders", []):

@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import trio
 from aiohttp import web
 
 from swarmd import __version__
@@ -40,12 +39,12 @@ from swarmd.errors import (
     ManifestError,
     ModelLoadError,
     ModelNotFoundError,
+    ShardHashError,
     SwarmError,
 )
 from swarmd.model.common import CommonModel, Variant
-from swarmd.model.hashing import file_sha256
 from swarmd.model.loader import LoadedModel, load_model
-from swarmd.model.manifest import MANIFEST_FILE, FileEntry, parse_manifest
+from swarmd.model.manifest import MANIFEST_FILE, parse_manifest
 from swarmd.model.memory import (
     auto_kv_budget_tokens,
     keep_large_blocks_returnable,
@@ -337,8 +336,7 @@ class Node:
             records = await self.bridge.run(self.swarm.holders, model_id)
             variant = choose_variant(model_id, records, [self.model.model_id])
             try:
-                source = await self.bridge.run(self._take_common, model_id, variant, records)
-                model = await asyncio.to_thread(CommonModel.load, source, variant)
+                model = await self._load_common(model_id, variant, records)
             except (FetchError, ModelLoadError) as exc:  # a 503: the holders may do better
                 raise CommonFilesError(f"Cannot coordinate {model_id} yet: {exc}") from exc
             log.info(
@@ -351,6 +349,20 @@ class Node:
             self._common[model_id] = model
             self._holders_cache.pop(model_id, None)  # from now on, filtered by the variant
             return model
+
+    async def _load_common(
+        self, model_id: str, variant: Variant, records: list[NodeRecord]
+    ) -> CommonModel:
+        """The files taken (or found in the cache) and loaded, hashed once in the load. A
+        cached file that no longer hashes right (a crash mid-write, a disk error) is
+        taken again, once."""
+        source = await self.bridge.run(self._take_common, model_id, variant, records)
+        try:
+            return await asyncio.to_thread(CommonModel.load, source, variant)
+        except ShardHashError as exc:
+            await asyncio.to_thread(Path(exc.path).unlink, missing_ok=True)
+        source = await self.bridge.run(self._take_common, model_id, variant, records)
+        return await asyncio.to_thread(CommonModel.load, source, variant)
 
     async def _take_common(
         self, model_id: str, variant: Variant, records: list[NodeRecord]
@@ -383,13 +395,6 @@ class Node:
                 f"{MAX_COMMON_BYTES / 1e6:.0f} MB a node takes to coordinate a model",
             )
         await fetch_missing(host, manifest, folder, wanted, lookup, self.swarm.ban, settings)
-        # A cached file that no longer hashes right (a crash mid-write, a disk error) is
-        # taken again, once.
-        damaged = await trio.to_thread.run_sync(_damaged, folder, wanted)
-        for entry in damaged:
-            (folder / entry.file).unlink()
-        if damaged:
-            await fetch_missing(host, manifest, folder, damaged, lookup, self.swarm.ban, settings)
         return ModelSource(model_id, folder, manifest)
 
     def swarm_state(self) -> str:
@@ -537,10 +542,6 @@ class Node:
             version=__version__,
             expires_at=time.time() + self.config.record_ttl_s,
         )
-
-
-def _damaged(folder: Path, entries: list[FileEntry]) -> list[FileEntry]:
-    return [e for e in entries if file_sha256(folder / e.file) != e.sha256]
 
 
 def check_api_exposure(config: Config) -> None:

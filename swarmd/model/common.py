@@ -20,6 +20,15 @@ from swarmd.model.source import ModelSource
 from swarmd.model.text import TextCodec
 
 
+def config_num_layers(config: dict[str, Any]) -> int:
+    return int(config["num_hidden_layers"])
+
+
+def config_context_length(config: dict[str, Any]) -> int:
+    """The context a config allows (2048 when it names none)."""
+    return int(config.get("max_position_embeddings") or 2048)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One way a model is held: holders of one variant can share a route."""
@@ -52,11 +61,11 @@ class CommonModel:
 
     @property
     def num_layers(self) -> int:
-        return int(self.config["num_hidden_layers"])
+        return config_num_layers(self.config)
 
     @property
     def context_length(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
+        return config_context_length(self.config)
 
     @property
     def vocab_size(self) -> int:

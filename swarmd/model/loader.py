@@ -31,6 +31,7 @@ from swarmd.dtypes import (
     weights_label,
 )
 from swarmd.errors import ConfigError, ModelLoadError
+from swarmd.model.common import config_context_length, config_num_layers
 from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_grammar
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
@@ -59,11 +60,11 @@ class LoadedModel:
 
     @property
     def num_layers(self) -> int:
-        return int(self.config["num_hidden_layers"])
+        return config_num_layers(self.config)
 
     @property
     def context_length(self) -> int:
-        return int(self.config.get("max_position_embeddings") or 2048)
+        return config_context_length(self.config)
 
     @property
     def vocab_size(self) -> int:

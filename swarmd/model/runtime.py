@@ -77,12 +77,15 @@ class StageSession:
     sampler: Sampler | None  # only on the last stage
     length: int = 0
     tokens: list[int] | None = None  # the ids its cache holds (a whole-model session)
-    prompt_length: int = 0  # of its prompt
     prompt: tuple[int, ...] = ()  # its prompt ids (a whole-model session: forks check them)
     # A whole-model session's logits at the end of its prompt, kept for forks (other
     # replies to the prompt), and a fork's copy: its first step is answered from them.
     prompt_logits: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.prompt)
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,6 @@ class StageRuntime:
             sampler = Sampler(sampling, module.vocab_size, constraint)
             for token in history or []:
                 sampler.observe(token)
-        pending = None
         reused, cache, pending = self._fork(share, module, prompt, max_length)
         if cache is None:
             reused, cache = self._adopt(module, prompt, max_length)
@@ -210,7 +212,6 @@ class StageRuntime:
             sampler,
             reused,
             list(prompt[:reused]) if track and prompt is not None else None,
-            len(prompt or ()),
             tuple(prompt or ()),
             pending=pending,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ModelNotFoundError
 from swarmd.model.common import Variant
-from swarmd.model.layers import LayerRange
+from swarmd.pipeline.placement import coverage, gaps
 
 
 def choose_variant(model_id: str, records: list[NodeRecord], known: list[str]) -> Variant:
@@ -36,17 +36,8 @@ def choose_variant(model_id: str, records: list[NodeRecord], known: list[str]) -
 
     def rank(item: tuple[Variant, list[NodeRecord]]) -> tuple[bool, int, str, str, str]:
         variant, holders = item
-        whole = _covers([r.layers for r in holders], holders[0].num_layers)
+        whole = not gaps(coverage(holders[0].num_layers, (r.layers for r in holders)))
         peers = len({r.peer_id for r in holders})
         return (not whole, -peers, variant.content_id, variant.weights, variant.dtype_name)
 
     return min(groups.items(), key=rank)[0]
-
-
-def _covers(ranges: list[LayerRange], num_layers: int) -> bool:
-    reached = 0
-    for held in sorted(ranges, key=lambda r: r.start):
-        if held.start > reached:
-            return False
-        reached = max(reached, held.end)
-    return reached >= num_layers

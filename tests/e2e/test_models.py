@@ -15,6 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,42 @@ def test_a_model_served_without_a_manifest_names_why_it_cannot_be_routed(
     assert wait_until(lambda: "without a manifest" in str(chat(b, own_model)[1]), 30, 0.5)
     status, reply, _ = chat(b, own_model)
     assert status == 404 and reply["error"]["param"] == "model"
+
+
+def test_first_requests_at_once_take_the_files_once_and_a_damaged_cache_is_taken_again(
+    folders: tuple[Path, Path], b: NodeProcess, tmp_path: Path
+) -> None:
+    """Several sessions at once on a node that has not coordinated `other` yet: one take of
+    its files, each reply B's own. Restarted over a cache whose tokenizer was damaged, the
+    node takes that file again and answers the same."""
+    cache = tmp_path / "cache"
+    args = ["--port", "0", "--p2p-port", "0", "--data-dir", str(tmp_path / "data")]
+    args += ["--model", str(folders[0]), "--cache-dir", str(cache), "--torch-threads", "1"]
+    args += ["--bootstrap", b.p2p_addrs[0]]
+    seeds = range(4)
+    want = []
+    for seed in seeds:
+        status, reply, _ = chat(b, OTHER, temperature=0.9, seed=seed)
+        assert status == 200, reply
+        want.append(reply["choices"][0]["token_ids"])
+    node = start_node(args, tmp_path)
+    try:
+        with ThreadPoolExecutor(max_workers=len(seeds)) as pool:
+            replies = list(pool.map(lambda s: chat(node, OTHER, temperature=0.9, seed=s), seeds))
+        assert [r[0] for r in replies] == [200] * len(seeds), [r[1] for r in replies]
+        assert [r[1]["choices"][0]["token_ids"] for r in replies] == want
+        assert node.log_text().count(f"took the manifest of {OTHER}") == 1
+    finally:
+        node.stop()
+    tokenizer = next(p for p in cache.rglob("tokenizer.json") if OTHER in str(p))
+    tokenizer.write_bytes(tokenizer.read_bytes()[:-10] + b"0123456789")  # same size, bad hash
+    node = start_node(args, tmp_path)
+    try:
+        status, reply, _ = chat(node, OTHER, temperature=0.9, seed=0)
+        assert status == 200, reply
+        assert reply["choices"][0]["token_ids"] == want[0]
+        log = node.log_text()
+        assert f"took the manifest of {OTHER}" not in log  # the cached one still holds
+        assert "fetching 1 file(s)" in log  # only the damaged tokenizer
+    finally:
+        node.stop()

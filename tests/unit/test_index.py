@@ -43,9 +43,9 @@ from swarmd.errors import (
     WrongOwnerError,
 )
 from swarmd.net.identity import Identity
+from tests.unit.test_records import ALICE, NOW, repack, wire_fields
+from tests.unit.test_records import resign as records_resign
 
-NOW = 1_700_000_000.0
-ALICE = Identity.from_seed(bytes(range(32)))
 BOB = Identity.from_seed(bytes(range(1, 33)))
 SMOL = ModelEntry("smollm2-135m-instruct", "ab" * 32, 30, 8192)
 TINY = ModelEntry("tiny", "", 4, 256)
@@ -56,19 +56,9 @@ def make_index(identity: Identity = ALICE, **changes: object) -> IndexRecord:
     return dataclasses.replace(base, **changes)
 
 
-def wire_fields(value: bytes) -> dict[str, object]:
-    return msgpack.unpackb(value, raw=False)
-
-
-def repack(fields: dict[str, object]) -> bytes:
-    return msgpack.packb(fields, use_bin_type=True)
-
-
 def resign(fields: dict[str, object], identity: Identity = ALICE) -> bytes:
-    """A value with `fields` (whatever they hold) and a valid signature by `identity`."""
-    body = {k: v for k, v in fields.items() if k != "sig"}
-    sig = identity.sign(INDEX_SIGNING_DOMAIN + repack(body))
-    return repack({**body, "sig": sig})
+    """A value with `fields` (whatever they hold) and a valid index signature."""
+    return records_resign(fields, identity, INDEX_SIGNING_DOMAIN)
 
 
 # --- the happy path ---------------------------------------------------------------------

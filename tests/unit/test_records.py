@@ -70,10 +70,12 @@ def repack(fields: dict[str, object]) -> bytes:
     return msgpack.packb(fields, use_bin_type=True)
 
 
-def resign(fields: dict[str, object], identity: Identity = ALICE) -> bytes:
+def resign(
+    fields: dict[str, object], identity: Identity = ALICE, domain: bytes = RECORD_SIGNING_DOMAIN
+) -> bytes:
     """A value with `fields` (whatever they hold) and a valid signature by `identity`."""
     body = {k: v for k, v in fields.items() if k != "sig"}
-    sig = identity.sign(RECORD_SIGNING_DOMAIN + repack(body))
+    sig = identity.sign(domain + repack(body))
     return repack({**body, "sig": sig})
 
 
