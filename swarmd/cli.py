@@ -57,7 +57,17 @@ def _adopt_libp2p_logger(level: str) -> None:
 
 @app.command()
 def run(
-    model: Annotated[str | None, typer.Option(help="Model id, GGUF file or HF folder.")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="Model id, GGUF file or HF folder (repeatable: serve several)."),
+    ] = None,
+    no_model: Annotated[
+        bool | None,
+        typer.Option(
+            "--no-model",
+            help="Hold no model: join the swarm and answer for its models (no torch until needed).",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option(help="API listen address.")] = None,
     port: Annotated[int | None, typer.Option(help="API port (0 = any free port).")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Identity key and node state.")] = None,
@@ -81,8 +91,11 @@ def run(
         typer.Option(help="KV cache tokens this node holds (0 = half the memory left free)."),
     ] = None,
     layers: Annotated[
-        str | None,
-        typer.Option(help="Serve only layers START:END, e.g. 0:15; auto: what the swarm lacks."),
+        list[str] | None,
+        typer.Option(
+            help="Serve only layers START:END, e.g. 0:15; auto: what the swarm lacks "
+            "(with several --model: one --layers each, in their order)."
+        ),
     ] = None,
     memory_budget: Annotated[
         float | None, typer.Option(help="GB of memory for --layers auto (default: free memory).")
@@ -108,7 +121,7 @@ def run(
     from swarmd.config import load_config
 
     flags: dict[str, object] = {
-        "model": model,
+        "no_model": no_model,
         "host": host,
         "port": port,
         "data_dir": data_dir,
@@ -118,7 +131,6 @@ def run(
         "torch_threads": torch_threads,
         "max_sessions": max_sessions,
         "kv_budget_tokens": kv_budget_tokens,
-        "layers": layers,
         "memory_budget_gb": memory_budget,
         "upload_limit_mb_s": upload_limit,
         "p2p_port": p2p_port,
@@ -129,6 +141,7 @@ def run(
     if verbose:
         flags["log_level"] = "DEBUG"
     try:
+        flags.update(_model_flags(model or [], layers or [], weights, dtype))
         cfg = load_config(flags, config, os.environ)
         _setup_logging(cfg.log_level)
         from swarmd.node import serve  # torch and transformers: only once the config is good
@@ -141,6 +154,33 @@ def run(
         raise typer.Exit(2) from exc
     except KeyboardInterrupt:
         pass
+
+
+def _model_flags(
+    models: list[str], layers: list[str], weights: str | None, dtype: str | None
+) -> dict[str, object]:
+    """--model and --layers as config flags: one model as the flat fields, several as `serve`."""
+    from swarmd.config import ServeSpec
+    from swarmd.errors import ConfigError
+
+    if len(models) <= 1:
+        if len(layers) > 1:
+            raise ConfigError(
+                f"--layers is given {len(layers)} times but --model at most once: give one "
+                "--layers per --model"
+            )
+        return {"model": models[0] if models else None, "layers": layers[0] if layers else None}
+    if layers and len(layers) != len(models):
+        raise ConfigError(
+            f"--layers is given {len(layers)} times for {len(models)} --model flags: give "
+            "one --layers per --model, in the same order, or none (every layer of each)"
+        )
+    ranges = layers or [""] * len(models)
+    serve = tuple(
+        ServeSpec(name, span, weights or "auto", dtype or "auto")
+        for name, span in zip(models, ranges, strict=True)
+    )
+    return {"serve": serve}
 
 
 def _ask(call: Coroutine[Any, Any, T]) -> T:

@@ -4,6 +4,9 @@ Precedence, highest first: CLI flag > env var `SWARMD_<FIELD>` (e.g. `SWARMD_POR
 TOML config file (flat keys equal to the field names) > default. The config file is the
 `config_file` argument, else the file named by env `SWARMD_CONFIG`, else none.
 
+The one exception is `serve`, the models a node serves (`ServeSpec`s): it comes from
+repeated `--model` flags or from `[[serve]]` tables in the file, never from the environment.
+
 The environment is passed in by the caller, read once at start-up; nothing here reads
 `os.environ` or the disk at import. Ranges are checked by `load_config`, not by `Config`
 itself, so tests may build e.g. `Config(port=0)` for an ephemeral port.
@@ -16,7 +19,7 @@ import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -39,10 +42,24 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class ServeSpec:
+    """One model a node serves: which, which layers, in which format."""
+
+    model: str
+    layers: str = ""  # as Config.layers: "" every layer, "START:END", "auto"
+    weights: str = "auto"  # as Config.weights
+    dtype: str = "auto"  # as Config.dtype
+    memory_budget_gb: float | None = None  # None: Config.memory_budget_gb
+
+
+@dataclass(frozen=True)
 class Config:
     host: str = "127.0.0.1"  # API listen address
     port: int = 8800  # API port
     model: str = "smollm2-135m-instruct"  # model id or path (HF dir with safetensors, or .gguf)
+    no_model: bool = False  # hold no model: join, answer for the swarm's models, hold no layers
+    serve: tuple[ServeSpec, ...] = ()  # the models to serve, in order; () = the one named by
+    # the flat model / layers / weights / dtype fields
     data_dir: Path = field(default_factory=_default_data_dir)  # identity key, node state
     # (load_config defaults it to <user data dir>/node-<port>: one identity per node)
     cache_dir: Path = field(default_factory=default_cache_dir)  # converted models, per user
@@ -94,6 +111,27 @@ class Config:
     max_failovers: int = 3  # stage failures one distributed request survives
     session_idle_timeout_s: float = 120.0  # a stage frees a session idle this long
     stage_open_timeout_s: float = 20.0  # setting up a distributed session on its route
+
+    def served(self) -> tuple[ServeSpec, ...]:
+        """The models this node holds layers of, in order; () for a node with no model."""
+        if self.no_model:
+            return ()
+        if self.serve:
+            return self.serve
+        return (ServeSpec(self.model, self.layers, self.weights, self.dtype, None),)
+
+    def for_model(self, spec: ServeSpec) -> Config:
+        """This config narrowed to one served model: the single-model form loading reads."""
+        budget = self.memory_budget_gb if spec.memory_budget_gb is None else spec.memory_budget_gb
+        return replace(
+            self,
+            model=spec.model,
+            layers=spec.layers,
+            weights=spec.weights,
+            dtype=spec.dtype,
+            memory_budget_gb=budget,
+            serve=(),
+        )
 
 
 _TYPES: dict[str, type] = get_type_hints(Config)
@@ -174,7 +212,8 @@ def load_config(
     """Build the Config from the flags the user gave, the environment and the config file.
 
     `flags` maps field names to values; None values are ignored. A str value is parsed like
-    an env var, any other value must already have the field's type.
+    an env var, any other value must already have the field's type (`serve`: a tuple of
+    ServeSpec, which replaces the file's [[serve]] tables).
     """
     unknown_flags = sorted(name for name in flags if name not in _TYPES)
     if unknown_flags:
@@ -182,7 +221,10 @@ def load_config(
     file_values, file_source = _read_file(config_file, env)
 
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # field -> where its value came from, for errors
     for name, kind in _TYPES.items():
+        if name == "serve":  # a list of tables: read by _load_serve
+            continue
         env_var = ENV_PREFIX + name.upper()
         flag = flags.get(name)
         if flag is not None:
@@ -201,6 +243,12 @@ def load_config(
             continue
         _check_range(name, value, source)
         values[name] = value
+        sources[name] = source
+    serve = _load_serve(flags.get("serve"), env, file_values.get("serve"), file_source)
+    if serve:
+        values["serve"] = serve
+        sources["serve"] = "flag --model" if flags.get("serve") is not None else file_source
+    _check_no_model(values, sources)
     ttl = values.get("record_ttl_s", Config.record_ttl_s)
     if values.get("republish_interval_s", Config.republish_interval_s) >= ttl:
         raise ConfigError(
@@ -214,8 +262,98 @@ def load_config(
     return Config(**values)
 
 
+_SERVE_KEYS = tuple(f.name for f in fields(ServeSpec))
+_SERVE_ENV_VAR = ENV_PREFIX + "SERVE"
+
+
+def _load_serve(
+    flag: object, env: Mapping[str, str], file_value: object, file_source: str
+) -> tuple[ServeSpec, ...]:
+    """The `serve` list: the flag's ServeSpecs, else the file's [[serve]] tables, checked."""
+    if _SERVE_ENV_VAR in env:
+        # A list of tables does not fit one variable; guessing a syntax would be a trap.
+        raise ConfigError(
+            f"env {_SERVE_ENV_VAR} is not read: name the models to serve in the config file "
+            '([[serve]] tables with model = "...") or with repeated --model flags'
+        )
+    if flag is not None:
+        specs, source = _serve_from_flag(flag), "flag --model"
+    elif file_value is not None:
+        specs, source = _serve_from_file(file_value, file_source), file_source
+    else:
+        return ()
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.model in seen:
+            # Requests and records name a model by this string: two entries are ambiguous.
+            raise ConfigError(
+                f"serve: model {spec.model!r} is named twice (from {source}); name each model once"
+            )
+        seen.add(spec.model)
+    return specs
+
+
+def _serve_from_flag(flag: object) -> tuple[ServeSpec, ...]:
+    if not isinstance(flag, list | tuple) or not all(isinstance(s, ServeSpec) for s in flag):
+        raise ConfigError(
+            f"serve: expected a tuple of ServeSpec, got {type(flag).__name__} {flag!r} "
+            "(from flag --model)"
+        )
+    specs = []
+    for spec in flag:
+        checked: dict[str, Any] = {}
+        for key in _SERVE_KEYS:
+            value = getattr(spec, key)
+            if value is not None:  # None: memory_budget_gb left to the node's own
+                source = f"flag --{key.replace('_', '-')}"
+                value = _from_value(key, _TYPES[key], value, source)
+                _check_range(key, value, source)
+            checked[key] = value
+        specs.append(ServeSpec(**checked))
+    return tuple(specs)
+
+
+def _serve_from_file(value: object, file_source: str) -> tuple[ServeSpec, ...]:
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ConfigError(
+            f'serve: expected [[serve]] tables, each with model = "...", got '
+            f"{type(value).__name__} {value!r} (from {file_source})"
+        )
+    specs = []
+    for number, table in enumerate(value, start=1):
+        where = f"[[serve]] table {number} of {file_source}"
+        for key in table:
+            if key not in _SERVE_KEYS:
+                close = difflib.get_close_matches(key, _SERVE_KEYS, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(
+                    f"unknown key '{key}' in {where} (it takes {', '.join(_SERVE_KEYS)}){hint}"
+                )
+        if "model" not in table:
+            raise ConfigError(f'{where} has no model: each [[serve]] table needs model = "..."')
+        checked: dict[str, Any] = {}
+        for key, raw in table.items():
+            checked[key] = _from_value(key, _TYPES[key], raw, where)
+            _check_range(key, checked[key], where)
+        specs.append(ServeSpec(**checked))
+    return tuple(specs)
+
+
+def _check_no_model(values: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+    """A node told to hold no model must not also be told which model or layers to hold."""
+    if not values.get("no_model"):
+        return
+    for name in ("serve", "model", "layers"):
+        if name in values:  # given explicitly; a default is no contradiction
+            what = "the models to serve" if name == "serve" else name
+            raise ConfigError(
+                f"no_model (from {sources['no_model']}) holds no model, but {what} is set "
+                f"too (from {sources[name]}): drop one of them"
+            )
+
+
 def _read_file(config_file: Path | None, env: Mapping[str, str]) -> tuple[dict[str, Any], str]:
-    """The flat table of the config file and how to name it in errors; ({}, "") if none."""
+    """The top-level keys of the config file and how to name it in errors; ({}, "") if none."""
     named_by = ""
     if config_file is None:
         if not env.get(CONFIG_ENV_VAR):

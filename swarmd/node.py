@@ -1,27 +1,29 @@
 """`Node`: one swarmd daemon, from start-up to a clean shutdown.
 
-Start-up: identity -> model (resolve, convert once, load its layer range) -> torch worker
--> libp2p host and DHT (trio, through the bridge) -> join and announce -> API.
-Shutdown reverses it: the API closes, the records are withdrawn, the host and the worker
-stop, and no task, thread or socket is left behind.
+Start-up: identity -> models (per model: resolve, convert once, load its layer range;
+`--no-model`: none) -> a torch worker per model -> libp2p host and DHT (trio, through the
+bridge) -> join and announce (a record per model) -> API. Shutdown reverses it: the API
+closes, the records are withdrawn, the host and the workers stop, and no task, thread or
+socket is left behind.
+
+A node holding no model never imports torch: what it holds is in `swarmd.held`, imported
+only when there is a model to hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
 from swarmd import __version__
-from swarmd.acquire import acquire
 from swarmd.api.access import is_loopback_name
 from swarmd.api.app import create_app
 from swarmd.api.edge import Edge, EdgeLimits, listen
@@ -43,35 +45,29 @@ from swarmd.errors import (
     SwarmError,
 )
 from swarmd.model.common import CommonModel, Variant
-from swarmd.model.loader import LoadedModel, load_model
 from swarmd.model.manifest import MANIFEST_FILE, parse_manifest
-from swarmd.model.memory import (
-    auto_kv_budget_tokens,
-    keep_large_blocks_returnable,
-    kv_bytes_per_token,
-    release_free_heap,
-)
-from swarmd.model.runtime import StageRuntime
+from swarmd.model.memory import keep_large_blocks_returnable, release_free_heap
 from swarmd.model.source import ModelSource
-from swarmd.model.threads import keep_this_thread_single_threaded, physical_cores
-from swarmd.model.worker import TorchWorker
-from swarmd.model.worker_trio import run_job
 from swarmd.net.auth import load_swarm_key
 from swarmd.net.bridge import TrioBridge
 from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.peers import BanRow, PeerRow
-from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
 from swarmd.pipeline.report import FailureRing
 from swarmd.pipeline.ring import RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 from swarmd.pipeline.variants import choose_variant
-from swarmd.pipeline.wire import StageLimits
 from swarmd.transfer.fetch import FetchSettings
-from swarmd.transfer.files import FileServer, FileServeSettings
+from swarmd.transfer.files import FileServers, FileServeSettings
 from swarmd.transfer.take import fetch_folder, fetch_missing, take_manifest
+
+if TYPE_CHECKING:  # the torch side: imported at run time only by a node holding a model
+    from swarmd.held import HeldModel
+    from swarmd.model.loader import LoadedModel
+    from swarmd.model.runtime import StageRuntime
+    from swarmd.pipeline.admission import KVBudget
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +83,14 @@ class Node:
         self,
         config: Config,
         identity: Identity,
-        model: LoadedModel,
+        models: Sequence[LoadedModel],
         settings: SwarmSettings | None = None,
     ) -> None:
-        """`settings`: the swarm settings `prepare` already made (else made from config)."""
+        """`models`: the models this node holds layers of, in order (none: it only
+        coordinates); `settings`: the swarm settings `prepare` already made (else made
+        from config)."""
         self.config = config
         self.identity = identity
-        self.model = model
         self.tokens = TokenStore(Path(config.data_dir))
         self.edge = Edge(
             EdgeLimits(
@@ -104,30 +101,21 @@ class Node:
         )
         self.failures = FailureRing()
         self.metrics = NodeMetrics(self._metrics_state())
-        self.kv_bytes_per_token = kv_bytes_per_token(model.config, model.layers.size)
-        self.kv_budget = KVBudget(
-            config.kv_budget_tokens or auto_kv_budget_tokens(self.kv_bytes_per_token)
-        )
-        # Other peers' stage sessions: their own part of the budget, capped per peer.
-        self.peer_budget = PeerBudget(
-            self.kv_budget,
-            PeerLimits(
-                kv_share=config.remote_kv_share,
-                peer_kv_share=config.peer_kv_share,
-                max_sessions=config.max_remote_sessions,
-                max_peer_sessions=config.max_peer_sessions,
-            ),
-        )
-        prefix = config.prefix_cache_tokens
-        self.runtime = StageRuntime(
-            model.stage,
-            config.max_sessions + config.max_remote_sessions,  # peers never take ours
-            on_step=self.metrics.stage_forward.observe,
-            prefix_tokens=self.kv_budget.total // 8 if prefix < 0 else prefix,
-            constraints=model.constraint,
-        )
-        self.torch_threads = config.torch_threads or physical_cores()
-        self.worker = TorchWorker(self.runtime, self.torch_threads)
+        self.held: dict[str, HeldModel] = {}
+        self.torch_threads = 0  # none: no torch
+        if models:
+            from swarmd.held import HeldModel
+            from swarmd.model.threads import physical_cores
+
+            self.torch_threads = config.torch_threads or physical_cores()
+            for model in models:
+                self.held[model.model_id] = HeldModel(
+                    config,
+                    model,
+                    self.torch_threads,
+                    self.metrics.stage_forward.observe,
+                    kv_share=1.0 / len(models),  # the measured budget, shared out
+                )
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,
             queue_timeout_s=config.queue_timeout_s,
@@ -135,9 +123,9 @@ class Node:
             prefill_chunk_tokens=config.prefill_chunk_tokens,
         )
         chain_settings = ChainSettings(
-            model_id=model.model_id,
-            num_layers=model.num_layers,
-            vocab_size=model.vocab_size,
+            model_id="",  # each request's model and sizes replace these three
+            num_layers=0,
+            vocab_size=0,
             chunk_tokens=config.prefill_chunk_tokens,
             max_failovers=config.max_failovers,
             # The ring waits a little longer than a stage's own step limit, so a slow
@@ -147,26 +135,19 @@ class Node:
             ),
         )
         self.coordinator = Coordinator(
-            model,
-            self.worker,
-            identity.short_id,
-            limits,
-            self,
-            chain_settings,
-            self.kv_budget,
-            finder=self,
+            self.held, identity.short_id, limits, self, chain_settings, finder=self
         )
         self.coordinator.observe = self.metrics.observe_request
         self.bridge = TrioBridge()
         self.swarm = SwarmPresence(
             identity,
             settings or _swarm_settings(config),
-            self._make_record,
+            self._make_records,
             self._run_services,
             make_index=self._make_index,
         )
-        self.file_server: FileServer | None = None
         self._stage_service: StageService | None = None
+        self.file_servers: FileServers | None = None
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
@@ -181,26 +162,68 @@ class Node:
     @classmethod
     def prepare(cls, config: Config) -> Node:
         """The blocking part of start-up: identity and model loading."""
-        keep_this_thread_single_threaded()  # only the torch worker runs OpenMP teams
         keep_large_blocks_returnable()
         check_api_exposure(config)  # before anything slow: a refusal comes at once
         identity = load_or_create_identity(Path(config.data_dir))
         log.info("node %s (short id %s)", identity.peer_id, identity.short_id)
-        # Settled before anything loads: the files (fetched from peers if need be) and
-        # the layer range (chosen from the swarm's coverage with --layers auto).
         settings = _swarm_settings(config)  # reads the swarm key: fails before any loading
-        acquired = acquire(config, identity, settings)
-        model = load_model(acquired.source, acquired.layers or None, config.weights, config.dtype)
-        release_free_heap()
-        more = tuple(a for a in acquired.peer_addrs if a not in config.bootstrap)
-        if more:
-            config = dataclasses.replace(config, bootstrap=config.bootstrap + more)
-            settings = dataclasses.replace(settings, bootstrap=config.bootstrap)
-        return cls(config, identity, model, settings)
+        served = config.served()
+        if not served:
+            log.info("holding no model: this node coordinates the swarm's models")
+            return cls(config, identity, [], settings)
+        from swarmd.acquire import acquire
+        from swarmd.model.loader import load_model
+        from swarmd.model.threads import keep_this_thread_single_threaded
+
+        keep_this_thread_single_threaded()  # only the torch workers run OpenMP teams
+        models: list[LoadedModel] = []
+        for spec in served:
+            # Settled before anything loads: the files (fetched from peers if need be) and
+            # the layer range (chosen from the swarm's coverage with --layers auto).
+            one = config.for_model(spec)
+            acquired = acquire(one, identity, settings)
+            models.append(
+                load_model(acquired.source, acquired.layers or None, one.weights, one.dtype)
+            )
+            release_free_heap()
+            more = tuple(a for a in acquired.peer_addrs if a not in config.bootstrap)
+            if more:
+                config = dataclasses.replace(config, bootstrap=config.bootstrap + more)
+                settings = dataclasses.replace(settings, bootstrap=config.bootstrap)
+        ids = [m.model_id for m in models]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"two of the models to serve have the same id: {', '.join(ids)}")
+        return cls(config, identity, models, settings)
+
+    # --- the first model held: what a single-model node (and its tests) means ------------
+
+    @property
+    def first(self) -> HeldModel:
+        for held in self.held.values():
+            return held
+        raise InternalError("this node holds no model")
+
+    @property
+    def model(self) -> LoadedModel:
+        return self.first.model
+
+    @property
+    def runtime(self) -> StageRuntime:
+        return self.first.runtime
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        return self.first.kv_budget
+
+    @property
+    def model_ids(self) -> list[str]:
+        """The models this node holds layers of, in order."""
+        return list(self.held)
 
     async def start(self) -> None:
         logging.getLogger("swarmd").addHandler(self.failures)
-        self.worker.start()
+        for held in self.held.values():
+            held.worker.start()
         await self.bridge.start()
         self.bridge.start_soon(self.swarm.run)
         try:
@@ -246,7 +269,8 @@ class Node:
             await self.bridge.stop()  # withdraws this node's records on the way out
         except SwarmError as exc:
             log.warning("the swarm layer ended with an error: %s", exc)
-        await self.worker.stop()
+        for held in self.held.values():
+            await held.worker.stop()
         logging.getLogger("swarmd").removeHandler(self.failures)
 
     def _metrics_state(self) -> NodeState:
@@ -258,28 +282,31 @@ class Node:
             host = self.swarm.host_or_none
             return len(host.connected_peers()) if host is not None else 0
 
+        def total(of: Callable[[HeldModel], int]) -> Callable[[], int]:
+            return lambda: sum(of(held) for held in self.held.values())
+
         return NodeState(
             info=lambda: {
                 "version": __version__,
                 "peer_id": self.identity.peer_id,
-                "model": self.model.model_id,
-                "layers": str(self.model.layers),
+                "model": ",".join(h.model.model_id for h in self.held.values()) or "none",
+                "layers": ",".join(str(h.model.layers) for h in self.held.values()) or "none",
             },
             peers_connected=connected,
-            kv_cache_tokens=lambda: self.runtime.cached_tokens,
-            sessions=lambda: self.runtime.session_count,
+            kv_cache_tokens=total(lambda h: h.runtime.cached_tokens),
+            sessions=total(lambda h: h.runtime.session_count),
             in_flight=lambda: self.coordinator.in_flight,
             bytes_sent=lambda: host_traffic("sent"),
             bytes_received=lambda: host_traffic("received"),
             records_rejected=lambda: self.swarm.rejected_records(),
             peers_banned=lambda: len(self.banned()),
-            file_bytes_served=lambda: self.file_server.bytes_sent if self.file_server else 0,
-            kv_budget_tokens=lambda: self.kv_budget.total,
-            kv_reserved_tokens=lambda: self.kv_budget.reserved,
+            file_bytes_served=lambda: self.file_servers.bytes_sent if self.file_servers else 0,
+            kv_budget_tokens=total(lambda h: h.kv_budget.total),
+            kv_reserved_tokens=total(lambda h: h.kv_budget.reserved),
             queued_requests=lambda: self.coordinator.waiting,
-            batch_rows=lambda: self.runtime.last_batch,
-            forwards=lambda: self.runtime.batches,
-            forward_rows=lambda: self.runtime.batched_rows,
+            batch_rows=lambda: max((h.runtime.last_batch for h in self.held.values()), default=0),
+            forwards=total(lambda h: h.runtime.batches),
+            forward_rows=total(lambda h: h.runtime.batched_rows),
             background_errors=lambda: self.swarm.loop_errors.as_dict(),
             http_connections=lambda: self.edge.stats.open,
             http_refused=lambda: dict(self.edge.stats.refusals),
@@ -300,8 +327,9 @@ class Node:
         # hidden state means nothing to other weights, and a reply stays the one a
         # single node of this kind gives. A model this node coordinates without layers:
         # the variant it chose (all of them until it has).
-        model = self.model
-        if model_id == model.model_id:
+        held = self.held.get(model_id)
+        if held is not None:
+            model = held.model
             variant = Variant(model.source.content_id, model.weights, model.dtype_name)
         else:
             common = self._common.get(model_id)
@@ -334,7 +362,7 @@ class Node:
             if known is not None:
                 return known
             records = await self.bridge.run(self.swarm.holders, model_id)
-            variant = choose_variant(model_id, records, [self.model.model_id])
+            variant = choose_variant(model_id, records, self.model_ids)
             try:
                 model = await self._load_common(model_id, variant, records)
             except (FetchError, ModelLoadError) as exc:  # a 503: the holders may do better
@@ -390,7 +418,7 @@ class Node:
         if size > MAX_COMMON_BYTES:  # a holder's manifest must not fill this node's disk
             raise ModelNotFoundError(
                 model_id,
-                [self.model.model_id],
+                self.model_ids,
                 hint=f": its common files are {size / 1e6:.0f} MB, over the "
                 f"{MAX_COMMON_BYTES / 1e6:.0f} MB a node takes to coordinate a model",
             )
@@ -442,45 +470,24 @@ class Node:
         return await self.bridge.run(fn, *args)
 
     async def _run_services(self, host: P2PHost) -> None:
-        """Trio side: serve the model's files and the stage protocol while the host runs."""
-        model = self.model
-        manifest = model.source.manifest
-        if manifest is not None:
-            settings = FileServeSettings(
-                max_transfers=self.config.max_file_transfers,
-                max_peer_transfers=self.config.max_peer_file_transfers,
-                upload_bytes_per_s=self.config.upload_limit_mb_s * 1e6,
-            )
-            # Verified at start-up: the files of its layers (others are hashed when asked for).
-            verified = manifest.files_for(model.layers)
-            self.file_server = FileServer(model.source.model_dir, manifest, verified, settings)
-            self.file_server.register(self.swarm.rpc)
-        limits = StageLimits(
-            peer_id=self.identity.peer_id,
-            model_id=model.model_id,
-            held=model.layers,
-            num_layers=model.num_layers,
-            hidden_size=model.hidden_size,
-            vocab_size=model.vocab_size,
-            context_length=model.context_length,
+        """Trio side: serve the models' files and the stage protocol while the host runs
+        (a node holding no model serves its rings' return streams)."""
+        settings = FileServeSettings(
+            max_transfers=self.config.max_file_transfers,
+            max_peer_transfers=self.config.max_peer_file_transfers,
+            upload_bytes_per_s=self.config.upload_limit_mb_s * 1e6,
         )
+        servers = [s for h in self.held.values() if (s := h.serve_files(settings)) is not None]
+        if servers:
+            self.file_servers = FileServers(servers)
+            self.file_servers.register(self.swarm.rpc)
         timeouts = StageTimeouts(
             open_s=self.config.stage_open_timeout_s,
             idle_s=self.config.session_idle_timeout_s,
             step_s=self.config.step_timeout_s,
         )
-
-        service = StageService(
-            host,
-            limits,
-            model.hidden_dtype,
-            functools.partial(run_job, self.worker),
-            self.swarm.ban,
-            timeouts,
-            self.kv_budget,
-            self.peer_budget,
-            self._signed_addrs,
-        )
+        stages = [held.stage(self.identity.peer_id) for held in self.held.values()]
+        service = StageService(host, stages, self.swarm.ban, timeouts, self._signed_addrs)
         self._stage_service = service
         try:
             await service.run()
@@ -488,26 +495,23 @@ class Node:
             self._stage_service = None
 
     async def _signed_addrs(self, peer_id: str, fresh: bool) -> frozenset[str] | None:
-        """Trio side: the addresses `peer_id`'s signed record for this model lists (None:
-        no live record): from the last lookup, or, `fresh`, from a new one (a DHT walk)."""
-        model_id = self.model.model_id
-        if fresh:
-            records = await self.swarm.holders(model_id)
-        else:
-            cached = self._holders_cache.get(model_id)
-            records = cached[1] if cached is not None else []
-        for record in records:
-            if record.peer_id == peer_id:
-                return frozenset(record.addrs)
+        """Trio side: the addresses `peer_id`'s signed record lists (None: no live record),
+        for any model held here (a next hop serves the session's model, one of these):
+        from the last lookups, or, `fresh`, from new ones (DHT walks)."""
+        for model_id in self.held:
+            if fresh:
+                records = await self.swarm.holders(model_id)
+            else:
+                cached = self._holders_cache.get(model_id)
+                records = cached[1] if cached is not None else []
+            for record in records:
+                if record.peer_id == peer_id:
+                    return frozenset(record.addrs)
         return None
 
     def _make_index(self, host: P2PHost) -> list[ModelEntry]:
         """Trio side: the models this node serves, for the swarm's catalog."""
-        model = self.model
-        entry = ModelEntry(
-            model.model_id, model.source.content_id, model.num_layers, model.context_length
-        )
-        return [entry]
+        return [held.index_entry() for held in self.held.values()]
 
     async def swarm_models(self) -> list[CatalogModel]:
         """The models the swarm's nodes list (this node's first), cached like holders."""
@@ -518,30 +522,20 @@ class Node:
         self._models_cache = (time.monotonic(), models)
         return models
 
-    def _make_record(self, host: P2PHost) -> NodeRecord:
+    def _make_records(self, host: P2PHost) -> list[NodeRecord]:
         # Called on the trio side; trio runs as a guest on this thread, so reading the
         # asyncio side's state here is safe.
-        model = self.model
-        return NodeRecord(
-            peer_id=self.identity.peer_id,
-            model_id=model.model_id,
-            model_hash=model.source.content_id,
-            layer_start=model.layers.start,
-            layer_end=model.layers.end,
-            num_layers=model.num_layers,
-            dtype=model.dtype_name,
-            weights=model.weights,
-            # What a session of another peer's route can get: the routes' 413 check
-            # (route_capacity) must see the per-peer cap, or every stage would decline.
-            free_kv_tokens=min(self.peer_budget.free, self.peer_budget.per_peer),
-            kv_budget_tokens=min(self.peer_budget.per_peer, self.peer_budget.total),
-            throughput_tps=self.coordinator.recent_tokens_per_second(),
-            state="ready",
-            addrs=tuple(host.addrs[:16]),
-            api_url=self.api_url,
-            version=__version__,
-            expires_at=time.time() + self.config.record_ttl_s,
-        )
+        addrs = tuple(host.addrs[:16])
+        return [
+            held.record(
+                self.identity.peer_id,
+                addrs,
+                self.api_url,
+                self.coordinator.recent_tokens_per_second(model_id),
+                self.config.record_ttl_s,
+            )
+            for model_id, held in self.held.items()
+        ]
 
 
 def check_api_exposure(config: Config) -> None:
@@ -580,7 +574,10 @@ def _swarm_settings(config: Config) -> SwarmSettings:
 
 async def serve(config: Config) -> None:
     """Run a node until SIGINT or SIGTERM."""
-    keep_this_thread_single_threaded()  # the event loop's thread: see threads.py
+    if config.served():
+        from swarmd.model.threads import keep_this_thread_single_threaded
+
+        keep_this_thread_single_threaded()  # the event loop's thread: see threads.py
     loop = asyncio.get_running_loop()
     node = await asyncio.to_thread(Node.prepare, config)
     stop = asyncio.Event()
@@ -590,12 +587,18 @@ async def serve(config: Config) -> None:
         await node.start()
         for addr in node.listen_addrs():
             print(f"swarmd: p2p listening on {addr}", flush=True)
-        model = node.model
-        print(
-            f"swarmd: serving {model.model_id} (layers {model.layers} of {model.num_layers}) "
-            f"at {node.api_url}/v1",
-            flush=True,
-        )
+        for held in node.held.values():
+            model = held.model
+            print(
+                f"swarmd: serving {model.model_id} (layers {model.layers} of "
+                f"{model.num_layers}) at {node.api_url}/v1",
+                flush=True,
+            )
+        if not node.held:
+            print(
+                f"swarmd: holding no model; answering for the swarm's models at {node.api_url}/v1",
+                flush=True,
+            )
         print(f'swarmd: node {node.identity.short_id} ready; try: swarmd chat "hello"', flush=True)
         await stop.wait()
         print("swarmd: shutting down", flush=True)

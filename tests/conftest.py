@@ -31,7 +31,8 @@ TINY = {
     "vocab_size": 320,
     "max_position_embeddings": 256,
 }
-READY = re.compile(r"swarmd: serving (\S+) .* at (http://\S+)/v1")
+# "serving MODEL (...) at URL/v1" per model held, or one line of a node holding none.
+READY = re.compile(r"swarmd: (?:serving (\S+) .*|holding no model;.*) at (http://\S+)/v1")
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +138,7 @@ def start_node(
             node.stdout_lines.append(line)
             match = READY.search(line)
             if match:
-                node.model_id, node.url = match.group(1), match.group(2)
+                node.model_id, node.url = match.group(1) or "", match.group(2)
                 return node
         raise TimeoutError(f"swarmd not ready in {ready_timeout_s} s:\n{node.log_text()}")
     except BaseException:

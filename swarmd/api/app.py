@@ -89,7 +89,7 @@ def create_app(node: Node) -> web.Application:
 
 async def health(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
-    model = node.model
+    held = list(node.held.values())
     swarm_state = node.swarm_state()
     body: dict[str, Any] = {
         # Degraded: this node still answers for the layers it holds, but has left the swarm.
@@ -100,21 +100,28 @@ async def health(request: web.Request) -> web.Response:
         "short_id": node.identity.short_id,
         "addrs": node.listen_addrs(),
         "uptime_s": round(time.monotonic() - node.started_at, 1),
+        # The models this node holds layers of (none: it only coordinates).
         "models": [
             {
-                "id": model.model_id,
-                "layers": [model.layers.start, model.layers.end],
-                "num_layers": model.num_layers,
-                "weights": model.weights,
-                "dtype": model.dtype_name,
-                "backend": model.backend,
+                "id": h.model.model_id,
+                "layers": [h.model.layers.start, h.model.layers.end],
+                "num_layers": h.model.num_layers,
+                "weights": h.model.weights,
+                "dtype": h.model.dtype_name,
+                "backend": h.model.backend,
+                "sessions": h.runtime.session_count,
+                "kv_budget_tokens": h.kv_budget.total,
+                "kv_reserved_tokens": h.kv_budget.reserved,
             }
+            for h in held
         ],
+        "coordinates": [m.model_id for m in node.coordinated_models()],
         "in_flight": node.coordinator.in_flight,
-        "sessions": node.runtime.session_count,
-        "kv_cache_tokens": node.runtime.cached_tokens,
-        "kv_budget_tokens": node.kv_budget.total,
-        "kv_reserved_tokens": node.kv_budget.reserved,
+        # Totals over the models held.
+        "sessions": sum(h.runtime.session_count for h in held),
+        "kv_cache_tokens": sum(h.runtime.cached_tokens for h in held),
+        "kv_budget_tokens": sum(h.kv_budget.total for h in held),
+        "kv_reserved_tokens": sum(h.kv_budget.reserved for h in held),
         "queued": node.coordinator.waiting,
     }
     return web.json_response(body)
@@ -134,45 +141,46 @@ async def diagnostics(request: web.Request) -> web.Response:
     """The plain-text report; addresses are redacted unless ?full=1."""
     node: Node = request.app[keys.NODE]
     full = request.query.get("full", "") in ("1", "true", "yes")
-    text = await build_report(node, await _holders(node), full=full)
+    text = await build_report(node, await _swarm_holders(node), full=full)
     return web.Response(text=text, content_type="text/plain")
 
 
 async def models(request: web.Request) -> web.Response:
-    """This node's model first, then every other model the swarm lists and holds."""
+    """This node's models first, then every other model the swarm lists and holds."""
     node: Node = request.app[keys.NODE]
-    own = await _model_entry(node)
-    listed = [m for m in await _catalog(node) if m.model_id != node.model.model_id]
+    own = await asyncio.gather(*(_model_entry(node, model_id) for model_id in node.held))
+    listed = [m for m in await _catalog(node) if m.model_id not in node.held]
     others = await asyncio.gather(*(_swarm_entry(node, m) for m in listed))
     return web.json_response(
-        {"object": "list", "data": [own, *(e for e in others if e is not None)]}
+        {"object": "list", "data": [*own, *(e for e in others if e is not None)]}
     )
 
 
 async def model_detail(request: web.Request) -> web.Response:
     node: Node = request.app[keys.NODE]
     model_id = request.match_info["model"]
-    if model_id == node.model.model_id:
-        return web.json_response(await _model_entry(node))
+    if model_id in node.held:
+        return web.json_response(await _model_entry(node, model_id))
     listed = next((m for m in await _catalog(node) if m.model_id == model_id), None)
     entry = None if listed is None else await _swarm_entry(node, listed)
     if entry is None:
-        raise ModelNotFoundError(model_id, [node.model.model_id])
+        raise ModelNotFoundError(model_id, node.model_ids)
     return web.json_response(entry)
 
 
 async def peers(request: web.Request) -> web.Response:
     """This node's view of the swarm: connected peers, RTTs, what they serve, bans."""
     node: Node = request.app[keys.NODE]
-    holders = {r.peer_id: r for r in await _holders(node)}
+    serves: dict[str, list[NodeRecord]] = {}
+    for record in await _swarm_holders(node):
+        serves.setdefault(record.peer_id, []).append(record)
     now = time.time()
     connected_ids, table, records = await node.peer_snapshot()
     connected = set(connected_ids)
     rows = []
     known = {row.peer_id: row for row in table}
-    for peer_id in sorted((connected | set(known) | set(holders)) - {node.identity.peer_id}):
+    for peer_id in sorted((connected | set(known) | set(serves)) - {node.identity.peer_id}):
         row = known.get(peer_id)
-        record = holders.get(peer_id)
         rows.append(
             {
                 "peer_id": peer_id,
@@ -183,15 +191,14 @@ async def peers(request: web.Request) -> web.Response:
                 if row is None or row.last_seen is None
                 else round(now - row.last_seen, 1),
                 "failures": 0 if row is None else row.failures,
-                "serves": []
-                if record is None
-                else [
+                "serves": [
                     {
                         "model": record.model_id,
                         "layers": [record.layer_start, record.layer_end],
                         "state": record.state,
                         "throughput_tps": record.throughput_tps,
                     }
+                    for record in serves.get(peer_id, [])
                 ],
             }
         )
@@ -203,8 +210,14 @@ async def peers(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _holders(node: Node, model_id: str | None = None) -> list[NodeRecord]:
-    model_id = model_id or node.model.model_id
+async def _swarm_holders(node: Node) -> list[NodeRecord]:
+    """The holders of every model this node holds or the swarm lists, model by model."""
+    model_ids = dict.fromkeys([*node.held, *(m.model_id for m in await _catalog(node))])
+    found = await asyncio.gather(*(_holders(node, model_id) for model_id in model_ids))
+    return [record for records in found for record in records]
+
+
+async def _holders(node: Node, model_id: str) -> list[NodeRecord]:
     try:
         return await asyncio.wait_for(node.holders(model_id), HOLDERS_TIMEOUT_S)
     except (TimeoutError, SwarmError) as exc:
@@ -231,9 +244,10 @@ def merge_ranges(ranges: list[tuple[int, int]]) -> list[list[int]]:
     return merged
 
 
-async def _model_entry(node: Node) -> dict[str, Any]:
-    model = node.model
-    records = [r for r in await _holders(node) if r.state == "ready"]
+async def _model_entry(node: Node, model_id: str) -> dict[str, Any]:
+    """A model this node holds layers of."""
+    model = node.held[model_id].model
+    records = [r for r in await _holders(node, model_id) if r.state == "ready"]
     holders = {r.peer_id: (r.layer_start, r.layer_end) for r in records}
     # This node serves its range even when the DHT is slow to answer.
     holders.setdefault(node.identity.peer_id, (model.layers.start, model.layers.end))
@@ -248,7 +262,7 @@ async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | Non
     if not ready:
         return None
     try:
-        variant = choose_variant(listed.model_id, ready, [node.model.model_id])
+        variant = choose_variant(listed.model_id, ready, node.model_ids)
         chosen = [r for r in ready if r.model_hash == variant.content_id]
     except ModelNotFoundError:
         variant, chosen = None, ready  # served without a manifest: not routable here

@@ -337,8 +337,9 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
             await asyncio.to_thread(model.check_grammar, grammar)
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
-        room = coordinator.kv_budget.total - len(prompt_ids)
-        if req.token_limit() is None and model.is_whole and room >= 1:
+        budget = coordinator.local_budget(model.model_id)
+        room = budget.total - len(prompt_ids) if budget is not None else 0
+        if req.token_limit() is None and room >= 1:
             # No max_tokens: the rest of the context, or of what this node's KV holds.
             max_tokens = min(max_tokens, room)
         gen_request = GenerationRequest(

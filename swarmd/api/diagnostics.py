@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from swarmd import __version__
@@ -28,18 +30,21 @@ from swarmd.pipeline.placement import coverage, gaps
 from swarmd.pipeline.report import Failure, RequestRecord
 
 if TYPE_CHECKING:
+    from swarmd.model.loader import LoadedModel
+    from swarmd.model.runtime import StageRuntime
     from swarmd.node import Node
+    from swarmd.pipeline.admission import KVBudget
 
 MAX_REQUESTS = 50
 MAX_FAILURES = 50
 
 
 async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str:
+    """`holders`: the records of every model of the swarm (of those this node holds first)."""
     connected, table, rejected = await node.peer_snapshot()
     now = time.time()
     # Read once, so every section tells of the same moment.
-    ranges = {r.peer_id: r.layers for r in holders if r.state == "ready"}
-    ranges.setdefault(node.identity.peer_id, node.model.layers)
+    ranges = _ranges(node, holders)
     banned = node.banned()
     requests = node.coordinator.ring.recent()[-MAX_REQUESTS:]
     failures = node.failures.recent()[-MAX_FAILURES:]
@@ -50,7 +55,7 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
         _section_addresses(node),
         _section_peers(node, holders, connected, table, rejected, now),
         _section_models(node),
-        _section_coverage(node, ranges, banned),
+        *(_section_coverage(node, model_id, ranges[model_id], banned) for model_id in ranges),
         _section_requests(requests),
         _section_failures(failures),
         _section_sessions(node),
@@ -81,25 +86,49 @@ def _rows(rows: list[list[str]]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class ModelRanges:
+    """Who holds which layers of one model (its ready holders; this node's own range)."""
+
+    num_layers: int
+    by_peer: dict[str, LayerRange]
+
+
+def _ranges(node: Node, holders: list[NodeRecord]) -> dict[str, ModelRanges]:
+    """Per model: the models this node holds first, then the others its records name."""
+    out: dict[str, ModelRanges] = {}
+    for model_id, held in node.held.items():
+        mine = {node.identity.peer_id: held.model.layers}
+        out[model_id] = ModelRanges(held.model.num_layers, mine)
+    for r in holders:
+        if r.state == "ready":
+            entry = out.setdefault(r.model_id, ModelRanges(r.num_layers, {}))
+            entry.by_peer.setdefault(r.peer_id, r.layers)
+    return out
+
+
 def _section_summary(
     node: Node,
     holders: list[NodeRecord],
-    ranges: dict[str, LayerRange],
+    ranges: dict[str, ModelRanges],
     connected: list[str],
     banned: set[str],
     recent: list[RequestRecord],
     failures: list[Failure],
 ) -> str:
     """The first screen: who holds what, the last request's route and time, what failed."""
-    model = node.model
-    missing = gaps(coverage(model.num_layers, ranges.values()))
-    cover = "complete" if not missing else "missing " + ", ".join(str(g) for g in missing)
-    peers = {r.peer_id for r in holders} | {node.identity.peer_id}
-    lines = [
-        "== Summary",
-        f"swarm     {len(peers)} holder(s) of {model.model_id}: {cover}; "
-        f"{len(connected)} peer(s) connected, {len(banned)} banned",
-    ]
+    lines = ["== Summary"]
+    for model_id, held in ranges.items():
+        missing = gaps(coverage(held.num_layers, held.by_peer.values()))
+        cover = "complete" if not missing else "missing " + ", ".join(str(g) for g in missing)
+        lines.append(
+            f"swarm     {len(held.by_peer)} holder(s) of {model_id}: {cover}; "
+            f"{len(connected)} peer(s) connected, {len(banned)} banned"
+        )
+    if not ranges:
+        lines.append(
+            f"swarm     no model found; {len(connected)} peer(s) connected, {len(banned)} banned"
+        )
     if recent:
         r = recent[-1]
         speed = "" if r.tok_per_sec is None else f", {r.tok_per_sec:.1f} tok/s"
@@ -117,33 +146,39 @@ def _section_summary(
         lines.append(f"last fail {stamp} {failures[-1].line[:200]}")
     else:
         lines.append("last fail (none)")
+    held = list(node.held.values())
     lines.append(
         f"in flight {node.coordinator.in_flight} request(s), "
-        f"{node.runtime.session_count} stage session(s), KV cache {node.runtime.cached_tokens} "
-        "tokens"
+        f"{sum(h.runtime.session_count for h in held)} stage session(s), KV cache "
+        f"{sum(h.runtime.cached_tokens for h in held)} tokens"
     )
     return "\n".join(lines)
 
 
 def _section_node(node: Node) -> str:
-    import torch
-
-    model = node.model
+    torch = sys.modules.get("torch")  # a node holding no model never loads it
     rss = rss_bytes()
     state = node.swarm_state()
+    loaded = f"torch {torch.__version__}" if torch is not None else "torch not loaded"
+    threads = f"torch threads {node.torch_threads}" if torch is not None else "no torch"
     lines = [
         "== This node",
         f"peer id       {node.identity.peer_id} (short id {node.identity.short_id})",
-        f"version       swarmd {__version__}, python {platform.python_version()}, "
-        f"torch {torch.__version__}",
-        f"device        {_device(torch)}, torch threads {node.torch_threads}",
+        f"version       swarmd {__version__}, python {platform.python_version()}, {loaded}",
+        f"device        {_device(torch)}, {threads}",
         f"memory        rss {_mb(rss)}, available {_mb(available_memory_bytes())} "
         f"of {_mb(total_memory_bytes())}",
         f"uptime        {time.monotonic() - node.started_at:.0f} s; swarm {state}",
-        f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
-        f"({model.weights} weights, {model.dtype_name} kernels, {model.backend})",
-        f"api           {node.api_url or '-'}",
     ]
+    for h in node.held.values():
+        model = h.model
+        lines.append(
+            f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
+            f"({model.weights} weights, {model.dtype_name} kernels, {model.backend})"
+        )
+    if not node.held:
+        lines.append("model         none held (--no-model): this node coordinates only")
+    lines.append(f"api           {node.api_url or '-'}")
     for common in node.coordinated_models():
         v = common.variant
         lines.append(
@@ -166,7 +201,9 @@ def _section_peers(
     rejected: dict[str, int],
     now: float,
 ) -> str:
-    by_peer = {r.peer_id: r for r in holders}
+    by_peer: dict[str, list[NodeRecord]] = {}
+    for r in holders:
+        by_peer.setdefault(r.peer_id, []).append(r)
     known = {row.peer_id: row for row in table}
     connected = set(connected)
     own = node.identity.peer_id
@@ -175,12 +212,13 @@ def _section_peers(
     rows = [["peer", "connected", "rtt ms", "last seen", "serves", "failures", "addresses"]]
     for peer_id in ids:
         row = known.get(peer_id)
-        record = by_peer.get(peer_id)
+        records = by_peer.get(peer_id, [])
         rtt = "-" if row is None or row.rtt_ms is None else f"{row.rtt_ms:.1f}"
         seen = "-" if row is None or row.last_seen is None else f"{now - row.last_seen:.0f} s ago"
-        serves = "-" if record is None else f"{record.model_id} {record.layers} ({record.state})"
+        serves = "; ".join(f"{r.model_id} {r.layers} ({r.state})" for r in records) or "-"
         failures = "0" if row is None else str(row.failures)
-        addrs = ",".join((record.addrs if record else ()) or (row.addrs if row else ())) or "-"
+        signed = records[0].addrs if records else ()
+        addrs = ",".join(signed or (row.addrs if row else ())) or "-"
         rows.append(
             [
                 peer_id[-8:],
@@ -206,16 +244,24 @@ def _section_peers(
 
 
 def _section_models(node: Node) -> str:
-    model = node.model
+    lines = ["== Models and shards"]
+    for held in node.held.values():
+        lines.extend(_model_files(held.model))
+    if not node.held:
+        lines.append("(none held)")
+    return "\n".join(lines)
+
+
+def _model_files(model: LoadedModel) -> list[str]:
     source = model.source
-    lines = ["== Models and shards", f"{model.model_id} from {source.model_dir}"]
+    lines = [f"{model.model_id} from {source.model_dir}"]
     manifest = source.manifest
     if manifest is None:
         lines.append(
             "  no manifest (a GGUF file or Hugging Face folder): weights not hash-checked; "
             "DHT records carry no content id"
         )
-        return "\n".join(lines)
+        return lines
     lines.append(f"  content id {manifest.content_id}")
     rows = [["  file", "bytes", "sha256", "state"]]
     for entry in manifest.files_for(model.layers):
@@ -226,13 +272,13 @@ def _section_models(node: Node) -> str:
         lines.append(
             f"  other shards of the manifest (served to peers if present): {', '.join(others)}"
         )
-    return "\n".join(lines)
+    return lines
 
 
-def _section_coverage(node: Node, ranges: dict[str, LayerRange], banned: set[str]) -> str:
-    model = node.model
-    counts = coverage(model.num_layers, ranges.values())
-    lines = [f"== Layer coverage of {model.model_id} ({model.num_layers} layers)"]
+def _section_coverage(node: Node, model_id: str, held: ModelRanges, banned: set[str]) -> str:
+    ranges = held.by_peer
+    counts = coverage(held.num_layers, ranges.values())
+    lines = [f"== Layer coverage of {model_id} ({held.num_layers} layers)"]
     for peer_id, layer_range in sorted(ranges.items(), key=lambda kv: (kv[1].start, kv[1].end)):
         me = " (this node)" if peer_id == node.identity.peer_id else ""
         lines.append(f"  {layer_range!s:>9}  {peer_id[-8:]}{me}")
@@ -242,11 +288,13 @@ def _section_coverage(node: Node, ranges: dict[str, LayerRange], banned: set[str
         lines.append(f"complete: every layer has a holder (the fewest: {thinnest})")
     for gap in missing:
         lines.append(
-            f"gap {gap}: no holder; fill it with: swarmd run --model {model.model_id} "
+            f"gap {gap}: no holder; fill it with: swarmd run --model {model_id} "
             f"--layers {gap} --bootstrap <an address above> (or --layers auto)"
         )
     usable = [r for p, r in ranges.items() if p not in banned]
-    routable = model.is_whole or not gaps(coverage(model.num_layers, usable))
+    mine = node.held.get(model_id)
+    whole = mine is not None and mine.model.is_whole
+    routable = whole or not gaps(coverage(held.num_layers, usable))
     lines.append(f"routable from this node: {'yes' if routable else 'no'}")
     return "\n".join(lines)
 
@@ -304,13 +352,21 @@ def _section_failures(failures: list[Failure]) -> str:
 
 
 def _section_sessions(node: Node) -> str:
-    runtime = node.runtime
-    budget = node.kv_budget
-    sessions = runtime.sessions()
-    rows = runtime.batched_rows / runtime.batches if runtime.batches else 0.0
     lines = [
         "== Sessions in flight",
         f"coordinating {node.coordinator.in_flight} request(s), {node.coordinator.waiting} queued",
+    ]
+    for model_id, held in node.held.items():
+        if len(node.held) > 1:
+            lines.append(f"{model_id}:")
+        lines.extend(_held_sessions(held.runtime, held.kv_budget))
+    return "\n".join(lines)
+
+
+def _held_sessions(runtime: StageRuntime, budget: KVBudget) -> list[str]:
+    sessions = runtime.sessions()
+    rows = runtime.batched_rows / runtime.batches if runtime.batches else 0.0
+    lines = [
         f"stage sessions {len(sessions)} of {runtime.max_sessions}; KV budget "
         f"{budget.total:,} tokens, {budget.reserved:,} reserved, {runtime.cached_tokens:,} "
         "in use",
@@ -322,7 +378,7 @@ def _section_sessions(node: Node) -> str:
     ]
     for info in sessions:
         lines.append(f"  {info.session_id}  layers {info.layers}  {info.length} tokens")
-    return "\n".join(lines)
+    return lines
 
 
 def _ms(value: float | None) -> str:
@@ -333,7 +389,7 @@ def _mb(size: int | None) -> str:
     return "-" if size is None else f"{size / 1e6:.0f} MB"
 
 
-def _device(torch: object) -> str:
+def _device(torch: object | None) -> str:
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_available():
         return f"cuda ({cuda.get_device_name(0)})"

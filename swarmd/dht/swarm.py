@@ -56,27 +56,28 @@ class SwarmPresence:
         self,
         identity: Identity,
         settings: SwarmSettings,
-        make_record: Callable[[P2PHost], NodeRecord] | None,
+        make_records: Callable[[P2PHost], Sequence[NodeRecord]] | None,
         services: Callable[[P2PHost], Awaitable[None]] | None = None,
         make_index: Callable[[P2PHost], Sequence[ModelEntry]] | None = None,
     ) -> None:
-        """`make_record(host)`: this node's record; None joins without announcing anything
-        (a node that still looks for its files). `services(host)`: more protocols on this
+        """`make_records(host)`: this node's records, one per model it holds layers of
+        (none: a node that only coordinates); None joins without announcing anything (a
+        node that still looks for its files). `services(host)`: more protocols on this
         host (e.g. the stage service); it runs for as long as the host, and is cancelled
         with it. `make_index(host)`: the models this node lists in the swarm's catalog,
-        asked at every announcement (after `make_record`); None lists nothing, and an
+        asked at every announcement (after `make_records`); None lists nothing, and an
         empty list leaves the catalog."""
         self.identity = identity
         self._services = services
         self.settings = settings
         self.peers = PeerTable()
         self.loop_errors = LoopErrors()  # failed rounds of background loops, by loop
-        self._make_record = make_record
+        self._make_records = make_records
         self._host: P2PHost | None = None
         self._discovery: Discovery | None = None
         self._ready = trio.Event()
         self._failure: SwarmError | None = None
-        self._last_record: NodeRecord | None = None
+        self._last_records: dict[str, NodeRecord] = {}  # by model, as announced
         self._make_index = make_index
         self._last_index: IndexRecord | None = None  # as announced; None once withdrawn
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
@@ -141,7 +142,7 @@ class SwarmPresence:
                 self.addrs = host.addrs
                 try:
                     await self._join(discovery)
-                    if self._make_record is None:
+                    if self._make_records is None:
                         self._ready.set()
                         await trio.sleep_forever()
                     await self._announce()
@@ -232,7 +233,7 @@ class SwarmPresence:
 
     async def announce_now(self) -> None:
         """Renew the records at once (e.g. once the API address is known)."""
-        if self._discovery is not None and self._make_record is not None:
+        if self._discovery is not None and self._make_records is not None:
             await self._announce()
 
     async def wait_ready(self) -> None:
@@ -246,8 +247,8 @@ class SwarmPresence:
         if self._gate is not None:
             # In a private swarm a record counts only once its owner has proved the key.
             records = [r for r in records if self._gate.allows(r.peer_id)]
-        own = self._last_record
-        if own is not None and own.model_id == model_id:
+        own = self._last_records.get(model_id)
+        if own is not None:
             # A lookup may miss this node's own record; routes must still see its layers.
             records = [r for r in records if r.peer_id != own.peer_id] + [own]
         return records
@@ -275,12 +276,14 @@ class SwarmPresence:
         log.info("joined the swarm through %d bootstrap peer(s)", len(joined))
 
     async def _announce(self) -> None:
-        if self._make_record is None:
+        if self._make_records is None:
             return
-        record = self._make_record(self.host)
-        await self.discovery.announce(self.identity, record)
-        self._last_record = record
-        await self._announce_index(record.expires_at)
+        records = self._make_records(self.host)
+        for record in records:
+            await self.discovery.announce(self.identity, record)
+            self._last_records[record.model_id] = record
+        if records:
+            await self._announce_index(max(r.expires_at for r in records))
 
     async def _announce_index(self, expires_at: float) -> None:
         """This node's catalog entry, expiring with its records; a failure here never
@@ -302,9 +305,9 @@ class SwarmPresence:
     async def _withdraw(self) -> None:
         if self._discovery is None:
             return
-        if self._last_record is not None:
+        for record in list(self._last_records.values()):
             try:
-                await self._discovery.withdraw(self.identity, self._last_record)
+                await self._discovery.withdraw(self.identity, record)
             except SwarmError as exc:
                 log.warning("could not withdraw this node's records: %s", safe_text(exc))
         if self._last_index is not None:

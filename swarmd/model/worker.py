@@ -22,45 +22,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from swarmd.errors import InternalError, StepTimeoutError, SwarmError
 from swarmd.model.batching import Gatherer
+from swarmd.model.jobs import CloseJob, Job, OpenJob, StepJob
 from swarmd.model.layers import LayerRange
 from swarmd.model.runtime import StepRequest
 from swarmd.model.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OpenJob:
-    session_id: str
-    max_length: int  # tokens the session may hold
-    sampling: SamplingParams | None  # only where the last stage samples
-    history: tuple[int, ...] = ()  # reply tokens so far (a session rebuilt after failover)
-    layers: LayerRange | None = None  # part of what this node holds; None = all
-    prompt: tuple[int, ...] = ()  # the prompt ids (a whole-model session: prefix reuse)
-    share: str | None = None  # an open session of the same prompt whose cache to copy
-
-
-@dataclass(frozen=True)
-class StepJob:
-    session_id: str
-    inputs: torch.Tensor  # [1, T] ids (first stage) or [1, T, H] hidden states
-    want_token: bool
-    alone: bool = False  # attend each position as a one-token step would (replays)
-
-
-@dataclass(frozen=True)
-class CloseJob:
-    session_id: str
-
-
-Job = OpenJob | StepJob | CloseJob
 
 
 class Runtime(Protocol):

@@ -2,7 +2,8 @@
 
 - `coordinator.py`    `Coordinator`: admission, route choice, the DIAG line per request
 - `generation.py`     `Generation`: chunked prefill, decode loop, stop strings, timings
-- `chain.py`          `StageChain` protocol, `Hop`, `LocalChain` (this node holds all layers)
+- `chain.py`          `StageChain` protocol, `Hop` (no torch)
+- `local.py`          `LocalChain`: the route when this node holds all layers
 - `route.py`          `plan_route` / `replan`: the pure route planner (shortest path over
                       layer boundaries, standbys, NoRouteError)
 - `distributed.py`    `DistributedChain`: a route over peers, with failover and replay

@@ -12,25 +12,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.common import CommonModel
-from swarmd.model.loader import LoadedModel
 from swarmd.model.sampling import SamplingParams
-from swarmd.model.worker import TorchWorker
 from swarmd.pipeline.admission import KVBudget
-from swarmd.pipeline.chain import Hop, LocalChain, StageChain
+from swarmd.pipeline.chain import Hop, StageChain
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
 
+if TYPE_CHECKING:  # a node holding no layers never imports torch
+    from swarmd.model.loader import LoadedModel
+
 log = logging.getLogger("swarmd.requests")
 
-Routed = LoadedModel | CommonModel  # a model this node serves, or one it coordinates
+Routed: TypeAlias = "LoadedModel | CommonModel"  # a model held here, or one coordinated
+
+
+class Held(Protocol):
+    """A model this node holds layers of (`swarmd.held.HeldModel`)."""
+
+    @property
+    def model(self) -> LoadedModel: ...
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        """This node's KV tokens for the model; a local session reserves its tokens here."""
+        ...
+
+    def local_chain(self, hop: Hop, step_timeout_s: float) -> StageChain:
+        """A route of one hop on this node's worker (the model held whole)."""
+        ...
 
 
 class ModelFinder(Protocol):
@@ -51,18 +68,18 @@ class CoordinatorLimits:
 class Coordinator:
     def __init__(
         self,
-        model: LoadedModel,
-        worker: TorchWorker,
+        held: Mapping[str, Held],
         short_id: str,
         limits: CoordinatorLimits,
         swarm: SwarmAccess,
         chain_settings: ChainSettings,
-        kv_budget: KVBudget,
         finder: ModelFinder | None = None,
     ) -> None:
-        """`finder`: the models of the swarm this node holds no layers of (None: only its
-        own model is served)."""
-        self.model = model
+        """`held`: the models this node holds layers of, by id (none: it only
+        coordinates); `chain_settings`: the ring's settings, whatever the model (its id
+        and sizes are each request's); `finder`: the models of the swarm this node holds
+        no layers of (None: only its own are served)."""
+        self.held = held
         self._finder = finder
         self._routed: dict[str, CommonModel] = {}  # the other models, once resolved
         self.swarm = swarm
@@ -75,39 +92,46 @@ class Coordinator:
         # Told of every finished request, with the gaps between its tokens (metrics).
         self.observe: Callable[[RequestRecord, list[float]], None] | None = None
         self.in_flight = 0
-        self._worker = worker
         self._limits = limits
         self._slots = asyncio.Semaphore(limits.max_sessions)
-        self.kv_budget = kv_budget  # this node's; a local session reserves its tokens here
         self.waiting = 0  # requests queued for a slot or for KV room
 
-    def recent_tokens_per_second(self) -> float:
-        """Median decode speed of the recent requests (0.0 before any)."""
-        speeds = sorted(r.tok_per_sec for r in self.ring.recent() if r.tok_per_sec)
+    def recent_tokens_per_second(self, model_id: str | None = None) -> float:
+        """Median decode speed of the recent requests (of `model_id`; 0.0 before any)."""
+        speeds = sorted(
+            r.tok_per_sec
+            for r in self.ring.recent()
+            if r.tok_per_sec and (model_id is None or r.model == model_id)
+        )
         return speeds[len(speeds) // 2] if speeds else 0.0
 
     async def resolve(self, model_id: str) -> Routed:
-        """The model a request names: this node's own, or another of the swarm."""
-        if model_id == self.model.model_id:
-            return self.model
+        """The model a request names: one this node holds, or another of the swarm."""
+        held = self.held.get(model_id)
+        if held is not None:
+            return held.model
         if self._finder is None:
-            raise ModelNotFoundError(model_id, [self.model.model_id])
+            raise ModelNotFoundError(model_id, list(self.held))
         model = await self._finder.common_model(model_id)
         self._routed[model_id] = model
         return model
 
     def routed(self, model_id: str) -> Routed:
         """A model `resolve` has answered for."""
-        if model_id == self.model.model_id:
-            return self.model
+        held = self.held.get(model_id)
+        if held is not None:
+            return held.model
         model = self._routed.get(model_id)
         if model is None:
-            raise ModelNotFoundError(model_id, [self.model.model_id])
+            raise ModelNotFoundError(model_id, list(self.held))
         return model
 
+    def local_budget(self, model_id: str) -> KVBudget | None:
+        """This node's KV budget for a model it holds whole (None: it routes it)."""
+        held = self.held.get(model_id)
+        return held.kv_budget if held is not None and held.model.is_whole else None
+
     def settings_for(self, model: Routed) -> ChainSettings:
-        if model is self.model:
-            return self.chain_settings
         return replace(
             self.chain_settings,
             model_id=model.model_id,
@@ -117,9 +141,10 @@ class Coordinator:
 
     async def plan(self, need_tokens: int, sampling: SamplingParams, model: Routed) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm."""
-        if isinstance(model, LoadedModel) and model.is_whole:
-            hop = Hop(self.short_id, model.layers)
-            return LocalChain(self._worker, hop, self._limits.step_timeout_s)
+        held = self.held.get(model.model_id)
+        if held is not None and held.model.is_whole:
+            hop = Hop(self.short_id, held.model.layers)
+            return held.local_chain(hop, self._limits.step_timeout_s)
         settings = self.settings_for(model)
         route, records = await plan(self.swarm, settings, need_tokens, sampling)
         return DistributedChain(
@@ -142,13 +167,14 @@ class Coordinator:
         reserved = 0
         need = len(request.prompt_ids) + request.max_tokens
         model = self.routed(request.model_id)
+        budget = self.local_budget(request.model_id)
         try:
             deadline = time.monotonic() + self._limits.queue_timeout_s
             self.waiting += 1
             try:
-                if model.is_whole:
+                if budget is not None:
                     # FIFO for KV room: the whole session's tokens from now to its end.
-                    await self.kv_budget.reserve(need, self._limits.queue_timeout_s)
+                    await budget.reserve(need, self._limits.queue_timeout_s)
                     reserved = need
                 await asyncio.wait_for(
                     self._slots.acquire(), max(0.01, deadline - time.monotonic())
@@ -190,8 +216,8 @@ class Coordinator:
                 if acquired:
                     self.in_flight -= 1
                     self._slots.release()
-                if reserved:
-                    self.kv_budget.release(reserved)
+                if budget is not None and reserved:
+                    budget.release(reserved)
                 timing.total_s = timing.since_received()
                 self.report(self._record(request, timing, gen, error), timing.token_gaps_s)
 
@@ -215,7 +241,7 @@ class Coordinator:
         return RequestRecord(
             request_id=request.request_id,
             model=request.model_id,
-            route=_route_kind(chain, self._routed.get(request.model_id, self.model)),
+            route=_route_kind(chain, self.local_budget(request.model_id) is not None),
             nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
             outcome="ok" if error is None else "error",
             error_type=None if error is None else type(error).__name__,
@@ -233,7 +259,7 @@ class Coordinator:
         )
 
 
-def _route_kind(chain: StageChain | None, model: Routed) -> str:
+def _route_kind(chain: StageChain | None, held_whole: bool) -> str:
     if chain is not None:
         return "local" if chain.is_local else "distributed"
-    return "local" if model.is_whole else "distributed"  # refused before a route existed
+    return "local" if held_whole else "distributed"  # refused before a route existed

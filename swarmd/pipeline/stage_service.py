@@ -1,9 +1,11 @@
 """`StageService`: this node's end of the stage protocol (trio side of the bridge).
 
 It serves `/swarmd/stage/1`. A stream that starts with `open` is one session of one
-route through this node: the service opens a KV cache for it, dials the next stage (or,
-on the last stage, the coordinator), forwards the `open`, and then, per step, checks the
-input, runs its layers on the torch worker and sends the result on. A stream that starts
+route through this node, for one of the models it holds layers of (`HeldStage`: a node
+holds several, one or none; the open names its model). The service opens a KV cache for
+it, dials the next stage (or, on the last stage, the coordinator), forwards the `open`,
+and then, per step, checks the input, runs its layers on that model's torch worker and
+sends the result on. A stream that starts
 with `ret` is a last stage's answer stream for a ring this node coordinates; it is handed
 to that ring (`expect_return`).
 
@@ -29,9 +31,8 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import trio
 
 from swarmd.errors import (
@@ -46,12 +47,15 @@ from swarmd.errors import (
     StreamClosedError,
     SwarmError,
 )
-from swarmd.model.worker import CloseJob, Job, OpenJob, StepJob
+from swarmd.model.jobs import CloseJob, Job, OpenJob, StepJob
 from swarmd.net.host import P2PHost
 from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import wire
 from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.links import REPORT_TIMEOUT_S, Link, LoopLink
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,29 @@ class StageTimeouts:
     step_s: float = 60.0  # one model step on the worker
 
 
+@dataclass(frozen=True)
+class HeldStage:
+    """One model this node holds layers of, as the stage protocol serves it."""
+
+    limits: wire.StageLimits
+    dtype: torch.dtype  # what its layers take hidden states in (received ones are cast)
+    run: RunJob  # its torch worker
+    budget: KVBudget  # its KV tokens, which this node's own sessions reserve
+    peers: PeerBudget  # the part of them other peers' sessions may hold
+
+    @classmethod
+    def of(
+        cls,
+        limits: wire.StageLimits,
+        dtype: torch.dtype,
+        run: RunJob,
+        budget: KVBudget,
+        peers: PeerBudget | None = None,
+    ) -> HeldStage:
+        """`peers` defaults to `PeerLimits()` of `budget`."""
+        return cls(limits, dtype, run, budget, peers or PeerBudget(budget, PeerLimits()))
+
+
 @dataclass
 class PendingReturn:
     """A ring waiting for its last stage's answer stream."""
@@ -91,28 +118,18 @@ class StageService:
     def __init__(
         self,
         host: P2PHost,
-        limits: wire.StageLimits,
-        dtype: torch.dtype,
-        run: RunJob,
+        stages: list[HeldStage],
         ban: Ban,
         timeouts: StageTimeouts,
-        budget: KVBudget,
-        peers: PeerBudget | None = None,
         signed_addrs: SignedAddrs | None = None,
     ) -> None:
-        """`dtype`: what this node's stage takes hidden states in (received ones are cast);
-        `budget`: the node's KV tokens, which this node's own sessions reserve; `peers`: the
-        part of it other peers' sessions may hold (default: `PeerLimits()` of `budget`);
-        `signed_addrs`: the peers' signed addresses (None: a next hop is reached only over
-        a connection this node already has)."""
+        """`stages`: the models this node holds layers of (none: it only coordinates, and
+        takes its rings' return streams); `signed_addrs`: the peers' signed addresses
+        (None: a next hop is reached only over a connection this node already has)."""
         self.host = host
-        self.limits = limits
         self.timeouts = timeouts
-        self._dtype = dtype
-        self._run = run
+        self.stages = {stage.limits.model_id: stage for stage in stages}
         self._ban = ban
-        self._budget = budget
-        self.peer_budget = peers or PeerBudget(budget, PeerLimits())
         self._signed_addrs = signed_addrs
         self._pending: dict[str, PendingReturn] = {}
         self._nursery: trio.Nursery | None = None
@@ -201,41 +218,45 @@ class StageService:
         await pending.done.wait()  # the stream stays open while the ring reads it
 
     async def _serve_session(self, up: Link, first: dict[str, Any]) -> None:
+        named = first.get("model")
+        stage = self.stages.get(named) if isinstance(named, str) else None
         try:
-            req = wire.parse_open(first, self.limits)  # its history within its max_len too
+            if stage is None:  # checked whole by the stage that holds it, if any
+                raise StageRefusedError(f"this node does not serve model '{str(named)[:80]}'")
+            req = wire.parse_open(first, stage.limits)  # its history within its max_len too
         except StageRefusedError as exc:  # declined, or refused for what the request asked
             await _report(up, wire.refusal_frame(self.peer_id, exc))
             return
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
-        why = self._reserve(up.peer_id, req.max_length)
+        why = self._reserve(stage, up.peer_id, req.max_length)
         if why is not None:
             # Declined, not failed: the coordinator leaves this stage out of this request only.
             await _report(up, wire.fail_frame(self.peer_id, why, "declined"))
             return
         try:
-            await self._open_and_run(up, req)
+            await self._open_and_run(stage, up, req)
         finally:
-            self._release(up.peer_id, req.max_length)
+            self._release(stage, up.peer_id, req.max_length)
 
-    def _reserve(self, peer_id: str, tokens: int) -> str | None:
+    def _reserve(self, stage: HeldStage, peer_id: str, tokens: int) -> str | None:
         """Room for a session, or why not. This node's own sessions (its routes through its
         own layers, on a `LoopLink`) draw on its budget; another peer's on the peers' part."""
         if peer_id != self.peer_id:
-            return self.peer_budget.try_reserve(peer_id, tokens)
-        if self._budget.try_reserve(tokens):
+            return stage.peers.try_reserve(peer_id, tokens)
+        budget = stage.budget
+        if budget.try_reserve(tokens):
             return None
-        budget = self._budget
         return f"no KV room for {tokens:,} tokens ({budget.free:,} of {budget.total:,} free)"
 
-    def _release(self, peer_id: str, tokens: int) -> None:
+    def _release(self, stage: HeldStage, peer_id: str, tokens: int) -> None:
         if peer_id != self.peer_id:
-            self.peer_budget.release(peer_id, tokens)
+            stage.peers.release(peer_id, tokens)
         else:
-            self._budget.release(tokens)
+            stage.budget.release(tokens)
 
-    async def _open_and_run(self, up: Link, req: wire.OpenRequest) -> None:
+    async def _open_and_run(self, stage: HeldStage, up: Link, req: wire.OpenRequest) -> None:
         sid = req.sid
         opening = OpenJob(
             sid, req.max_length, req.sampling if req.is_last else None, req.history, req.me.layers
@@ -243,20 +264,20 @@ class StageService:
         refused = False
         try:
             try:
-                await self._run(opening, self.timeouts.step_s)
+                await stage.run(opening, self.timeouts.step_s)
             except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
                 refused = True  # nothing of this stream's to free (nor another's to touch)
                 await _report(up, wire.fail_frame(self.peer_id, str(exc), "declined"))
                 return
-            await self._run_session(up, req)
+            await self._run_session(stage, up, req)
         finally:
             # Also when cancelled or timed out while the open was running: the cache it
             # made is freed (the close queues behind it).
             if not refused:
                 with trio.CancelScope(shield=True):
-                    await self._run(CloseJob(sid), self.timeouts.step_s)
+                    await stage.run(CloseJob(sid), self.timeouts.step_s)
 
-    async def _run_session(self, up: Link, req: wire.OpenRequest) -> None:
+    async def _run_session(self, stage: HeldStage, up: Link, req: wire.OpenRequest) -> None:
         nxt = req.next_peer
         try:
             # One deadline for the whole way there: every address, the redial, the stream.
@@ -282,7 +303,7 @@ class StageService:
             await down.send(hello)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_downstream, up, down, nursery.cancel_scope)
-                await self._forward(up, down, req)
+                await self._forward(stage, up, down, req)
                 nursery.cancel_scope.cancel()
         except (PeerError, BaseExceptionGroup) as caught:  # the next stage is gone
             # A nursery wraps what its tasks raise in a group: find the real error.
@@ -314,7 +335,7 @@ class StageService:
         coordinator vanished, or its open timed out further down) is freed after this."""
         return 2 * self.timeouts.open_s + req.hop * self.timeouts.step_s
 
-    async def _forward(self, up: Link, down: Link, req: wire.OpenRequest) -> None:
+    async def _forward(self, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest) -> None:
         """Steps from upstream, through this stage, on downstream; until the session ends."""
         n = 0
         while True:
@@ -345,12 +366,12 @@ class StageService:
                     return
                 if kind != "step":
                     raise MalformedFrameError(f"a {kind} frame inside a session")
-                step = wire.parse_step(frame, n, req.hop == 0, self.limits, self._dtype)
+                step = wire.parse_step(frame, n, req.hop == 0, stage.limits, stage.dtype)
             except MalformedFrameError as exc:
                 await self._bad_upstream(up, down, exc, req.sid)
                 return
             try:
-                result = await self._run(
+                result = await stage.run(
                     StepJob(req.sid, step.inputs, step.want, step.alone), self.timeouts.step_s
                 )
             except SwarmError as exc:  # this stage's own failure (timeout, context, bug)

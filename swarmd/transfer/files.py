@@ -33,7 +33,7 @@ from swarmd.errors import MalformedFrameError, ModelNotFoundError, OverloadedErr
 from swarmd.model.hashing import file_sha256
 from swarmd.model.manifest import MAX_CHUNK_BYTES, MAX_MANIFEST_BYTES, FileEntry, Manifest
 from swarmd.net.host import P2PHost
-from swarmd.net.rpc import RpcService, call
+from swarmd.net.rpc import RpcHandler, RpcService, call
 from swarmd.untrusted import Bytes, Int, Schema, Str
 
 log = logging.getLogger(__name__)
@@ -89,13 +89,21 @@ class FileServer:
         self.bytes_sent = 0
 
     def register(self, rpc: RpcService) -> None:
-        rpc.register(METHOD_MANIFEST, self.rpc_manifest, max_concurrency=8)
+        self.register_as(rpc, self.rpc_manifest, self.rpc_file_chunk)
+
+    def register_as(self, rpc: RpcService, manifest: RpcHandler, chunk: RpcHandler) -> None:
+        """Register the two calls with these handlers (`FileServers`: its dispatchers)."""
+        rpc.register(METHOD_MANIFEST, manifest, max_concurrency=8)
         rpc.register(
             METHOD_CHUNK,
-            self.rpc_file_chunk,
+            chunk,
             max_concurrency=2 * self._settings.max_transfers,
             timeout_s=CHUNK_TIMEOUT_S,
         )
+
+    @property
+    def content_id(self) -> str:
+        return self._content_id
 
     @property
     def active_transfers(self) -> int:
@@ -191,6 +199,33 @@ class FileServer:
         start = max(now, self._next_free)
         self._next_free = start + length / rate
         await trio.sleep_until(self._next_free)
+
+
+class FileServers:
+    """The holder side for every model this node holds: one registration of the two
+    calls, each dispatched to the server of the content id it names. Each model keeps its
+    own transfer caps and upload pacing."""
+
+    def __init__(self, servers: list[FileServer]) -> None:
+        self._servers = {server.content_id: server for server in servers}
+        self._any = servers[0]  # answers for a content id not held here: it says so
+
+    def register(self, rpc: RpcService) -> None:
+        self._any.register_as(rpc, self.rpc_manifest, self.rpc_file_chunk)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(server.bytes_sent for server in self._servers.values())
+
+    def _server(self, args: dict[str, Any]) -> FileServer:
+        named = args.get("model") if isinstance(args, dict) else None
+        return self._servers.get(named, self._any) if isinstance(named, str) else self._any
+
+    async def rpc_manifest(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._server(args).rpc_manifest(peer_id, args)
+
+    async def rpc_file_chunk(self, peer_id: str, args: dict[str, Any]) -> dict[str, Any]:
+        return await self._server(args).rpc_file_chunk(peer_id, args)
 
 
 def _sha256_or_none(path: Path) -> str | None:

@@ -234,3 +234,114 @@ def test_first_requests_at_once_take_the_files_once_and_a_damaged_cache_is_taken
         assert "fetching 1 file(s)" in log  # only the damaged tokenizer
     finally:
         node.stop()
+
+
+# --- a node without a model, and a node with two -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def c(b: NodeProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """A light node: no model, no layers, no torch; it joins through B."""
+    cache = tmp_path_factory.mktemp("c-cache")
+    args = ["--no-model", "--cache-dir", str(cache), "--bootstrap", b.p2p_addrs[0]]
+    with running_node(tmp_path_factory, "c", args) as node:
+        yield node
+
+
+def _status_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} in /proc/{pid}/status")
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has mapped torch's library (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_node_without_a_model_lists_and_answers_the_swarms_models(
+    a: NodeProcess, b: NodeProcess, c: NodeProcess
+) -> None:
+    assert not _maps_torch(c.proc.pid)  # joined and serving the API, torch never loaded
+    health = c.health()
+    assert health["models"] == [] and health["status"] == "ok"
+    own_a = str(a.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
+    assert wait_until(lambda: set(listed(c)) == {own_a, OTHER}, 30, 0.5), listed(c)
+    assert listed(c)[OTHER]["swarm"]["routable"] is True
+    # Several sessions at once through C, each equal to B's own reply.
+    seeds = range(3)
+    want = [chat(b, OTHER, temperature=0.9, seed=s)[1]["choices"][0]["token_ids"] for s in seeds]
+    with ThreadPoolExecutor(max_workers=len(seeds)) as pool:
+        replies = list(pool.map(lambda s: chat(c, OTHER, temperature=0.9, seed=s), seeds))
+    assert [r[0] for r in replies] == [200] * len(seeds), [r[1] for r in replies]
+    assert [r[1]["choices"][0]["token_ids"] for r in replies] == want
+    assert {r[2]["x-swarm-route"] for r in replies} == {"distributed"}
+    status, greedy, _ = chat(c, OTHER)
+    assert (
+        status == 200
+        and greedy["choices"][0]["token_ids"] == chat(b, OTHER)[1]["choices"][0]["token_ids"]
+    )
+    # Still no torch, and the peak memory of the whole run is that of a light node.
+    assert not _maps_torch(c.proc.pid)
+    peak_mb = _status_kb(c.proc.pid, "VmHWM") / 1024
+    print(f"light node peak RSS {peak_mb:.0f} MB")
+    assert peak_mb <= 300, f"peak RSS {peak_mb:.0f} MB"
+    with urllib.request.urlopen(f"{c.url}/api/admin/diagnostics", timeout=30) as response:
+        report = response.read().decode()
+    assert "none held (--no-model)" in report and "torch not loaded" in report
+    assert f"holder(s) of {OTHER}: complete" in report
+    peers = c.get_json("/api/peers")["peers"]  # type: ignore[index]
+    b_row = next(p for p in peers if p["peer_id"] == b.health()["peer_id"])  # type: ignore[union-attr]
+    assert {s["model"] for s in b_row["serves"]} == {OTHER}
+
+
+def test_a_node_without_a_model_refuses_stage_sessions_and_can_be_the_bootstrap(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A swarm whose first node holds nothing: a holder joins through it, and the light
+    node routes the holder's model; it is never asked to hold layers."""
+    light = start_node(
+        ["--port", "0", "--p2p-port", "0", "--data-dir", str(tmp_path / "l"), "--no-model"],
+        tmp_path,
+    )
+    holder: NodeProcess | None = None
+    try:
+        boot = light.p2p_addrs[0]
+        args = ["--port", "0", "--p2p-port", "0", "--data-dir", str(tmp_path / "h")]
+        args += ["--model", str(folders[1]), "--torch-threads", "1", "--bootstrap", boot]
+        holder = start_node(args, tmp_path)
+        assert wait_until(lambda: OTHER in listed(light), 30, 0.5), listed(light)
+        status, reply, headers = chat(light, OTHER)
+        assert status == 200, reply
+        assert reply["choices"][0]["token_ids"] == chat(holder, OTHER)[1]["choices"][0]["token_ids"]
+        assert headers["x-swarm-nodes"] == holder.health()["peer_id"][-8:]  # type: ignore[index]
+        assert not _maps_torch(light.proc.pid)
+    finally:
+        if holder is not None:
+            holder.stop()
+        light.stop()
+
+
+def test_one_node_serves_two_models(
+    folders: tuple[Path, Path], a: NodeProcess, b: NodeProcess, tmp_path: Path
+) -> None:
+    """`--model` twice: both held whole, both answered locally, each reply its holder's."""
+    args = ["--port", "0", "--p2p-port", "0", "--data-dir", str(tmp_path / "d")]
+    args += ["--model", str(folders[0]), "--model", str(folders[1]), "--torch-threads", "1"]
+    args += ["--kv-budget-tokens", "4096"]
+    node = start_node(args, tmp_path)  # alone: its copy of `other` joins no route of A's
+    try:
+        own_a = str(a.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
+        assert set(listed(node)) == {own_a, OTHER}
+        assert [m["id"] for m in node.health()["models"]] == [own_a, OTHER]  # type: ignore[union-attr]
+        for model, holder in ((own_a, a), (OTHER, b)):
+            want = chat(holder, model)[1]["choices"][0]["token_ids"]
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                replies = list(pool.map(lambda m: chat(node, m), [model, model]))
+            for status, reply, headers in replies:
+                assert status == 200, reply
+                assert headers["x-swarm-route"] == "local"
+                assert reply["choices"][0]["token_ids"] == want
+    finally:
+        node.stop()

@@ -29,7 +29,7 @@ async def make_node(tiny_chat_dir: Path, tmp_path: Path) -> AsyncIterator[NodeFa
 
     async def factory(**overrides: Any) -> Node:
         config = Config(port=0, data_dir=tmp_path / "data", cache_dir=tmp_path, **overrides)
-        node = Node(config, load_or_create_identity(config.data_dir), model)
+        node = Node(config, load_or_create_identity(config.data_dir), [model])
         await node.start()
         started.append(node)
         return node
@@ -77,6 +77,11 @@ def host_record(host: P2PHost, model_id: str = "m") -> NodeRecord:
         version="0.1.0",
         expires_at=time.time() + 60.0,
     )
+
+
+def host_records(host: P2PHost) -> list[NodeRecord]:
+    """`SwarmPresence`'s records of a node serving one model: `host_record`'s."""
+    return [host_record(host)]
 
 
 def hold_steps(node: Node, monkeypatch: pytest.MonkeyPatch) -> threading.Event:

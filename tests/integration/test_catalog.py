@@ -151,14 +151,14 @@ def presence(
     """A presence serving LISTS[name]; its index lists `lists[name]` (LISTS[name] if no
     `lists`), read at every announcement."""
 
-    def make_record(host: P2PHost) -> NodeRecord:
-        return host_record(host, LISTS[name][0].model_id)
+    def make_records(host: P2PHost) -> list[NodeRecord]:
+        return [host_record(host, LISTS[name][0].model_id)]
 
     def make_index(host: P2PHost) -> list[ModelEntry]:
         return list(lists[name]) if lists is not None else list(LISTS[name])
 
     settings = SwarmSettings("127.0.0.1", 0, bootstrap, republish_interval_s=60.0)
-    return SwarmPresence(Identity.generate(), settings, make_record, make_index=make_index)
+    return SwarmPresence(Identity.generate(), settings, make_records, make_index=make_index)
 
 
 class Running:

@@ -128,7 +128,7 @@ def test_a_wrong_proof_sent_to_the_answering_side_is_banned() -> None:
 def _private(key: SwarmKey, bootstrap: tuple[str, ...] = ()) -> SwarmPresence:
     settings = SwarmSettings("127.0.0.1", 0, bootstrap, republish_interval_s=60.0, swarm_key=key)
     return SwarmPresence(
-        Identity.generate(), settings, lambda host: host_record(host, "private-model")
+        Identity.generate(), settings, lambda host: [host_record(host, "private-model")]
     )
 
 

@@ -37,7 +37,7 @@ from swarmd.net.identity import Identity
 from swarmd.pipeline import wire
 from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
 from swarmd.pipeline.ring import Ring, RingTimeouts
-from swarmd.pipeline.stage_service import StageService, StageTimeouts
+from swarmd.pipeline.stage_service import HeldStage, StageService, StageTimeouts
 
 RUN_DEADLINE_S = 30.0
 FREED_WITHIN_S = 2.0
@@ -146,9 +146,8 @@ async def _serve_stage(
 
                 run = functools.partial(run_job, worker)
                 SIGNED[host.peer_id] = frozenset(host.addrs)
-                service = StageService(
-                    host, limits, torch.float32, run, ban, timeouts, budget, peers, signed_addrs
-                )
+                stage = HeldStage.of(limits, torch.float32, run, budget, peers)
+                service = StageService(host, [stage], ban, timeouts, signed_addrs)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(service.run)
                     assert await poll(lambda: _running(service), 5.0)

@@ -20,7 +20,7 @@ from swarmd.errors import DialError
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.rpc import RpcService
-from tests.integration.conftest import host_record
+from tests.integration.conftest import host_records
 
 DEADLINE_S = 20.0
 SETTINGS = SwarmSettings(
@@ -44,7 +44,7 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 def test_renewal_goes_on_after_any_error_and_counts_it() -> None:
     async def body() -> None:
-        presence = SwarmPresence(Identity.generate(), SETTINGS, host_record)
+        presence = SwarmPresence(Identity.generate(), SETTINGS, host_records)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(presence.run)
             await presence.wait_ready()
@@ -116,7 +116,7 @@ def test_services_that_fail_do_not_stop_the_swarm_layer() -> None:
         raise RuntimeError("the stage service could not start")
 
     async def body() -> None:
-        presence = SwarmPresence(Identity.generate(), SETTINGS, host_record, broken_services)
+        presence = SwarmPresence(Identity.generate(), SETTINGS, host_records, broken_services)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(presence.run)
             await presence.wait_ready()

@@ -9,7 +9,7 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from swarmd.config import Config, load_config
+from swarmd.config import Config, ServeSpec, load_config
 from swarmd.errors import ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config" / "swarmd.example.toml"
@@ -403,3 +403,180 @@ def test_bool_fields_from_env_file_and_flags(tmp_path: Path) -> None:
         load_config({}, write(tmp_path, "allow_open_api = 1\n"), {})
     with pytest.raises(ConfigError, match="origins like"):
         load_config({}, write(tmp_path, 'allowed_origins = ["https://a.example/"]\n'), {})
+
+
+# --- the models a node serves ----------------------------------------------------------
+
+
+def test_served_is_the_flat_model_by_default() -> None:
+    config = Config(model="m", layers="0:4", weights="int8", dtype="float32")
+    assert config.served() == (ServeSpec("m", "0:4", "int8", "float32", None),)
+    assert Config().served() == (ServeSpec("smollm2-135m-instruct"),)
+
+
+def test_served_is_the_serve_list_when_given() -> None:
+    specs = (ServeSpec("a"), ServeSpec("b", layers="auto"))
+    assert Config(model="ignored", serve=specs).served() == specs
+
+
+def test_served_is_empty_with_no_model() -> None:
+    assert Config(no_model=True).served() == ()
+    assert Config(no_model=True, serve=(ServeSpec("a"),)).served() == ()
+
+
+def test_for_model_narrows_to_one_spec() -> None:
+    config = Config(memory_budget_gb=8.0, serve=(ServeSpec("a"), ServeSpec("b")))
+    spec = ServeSpec("b", layers="0:12", weights="int4", dtype="bfloat16")
+    narrowed = config.for_model(spec)
+    assert narrowed == dataclasses.replace(
+        config,
+        model="b",
+        layers="0:12",
+        weights="int4",
+        dtype="bfloat16",
+        memory_budget_gb=8.0,
+        serve=(),
+    )
+    assert narrowed.served() == (ServeSpec("b", "0:12", "int4", "bfloat16", None),)
+    assert config.for_model(ServeSpec("a", memory_budget_gb=2.5)).memory_budget_gb == 2.5
+
+
+SERVE_TOML = """\
+port = 9000
+
+[[serve]]
+model = "smollm2-135m-instruct"
+
+[[serve]]
+model = "/models/q.gguf"
+layers = "0:12"
+weights = "int8"
+dtype = "float32"
+memory_budget_gb = 3
+"""
+
+
+def test_serve_tables_from_toml(tmp_path: Path) -> None:
+    config = load_config({}, write(tmp_path, SERVE_TOML), {})
+    assert config.port == 9000
+    assert config.serve == (
+        ServeSpec("smollm2-135m-instruct"),
+        ServeSpec("/models/q.gguf", "0:12", "int8", "float32", 3.0),
+    )
+    assert isinstance(config.serve[1].memory_budget_gb, float)
+    assert config.served() == config.serve
+
+
+def test_serve_as_inline_tables_and_empty(tmp_path: Path) -> None:
+    text = 'serve = [{ model = "a" }, { model = "b", layers = "auto" }]\n'
+    assert load_config({}, write(tmp_path, text), {}).serve == (
+        ServeSpec("a"),
+        ServeSpec("b", layers="auto"),
+    )
+    assert load_config({}, write(tmp_path, "serve = []\n"), {}) == loaded_defaults()
+
+
+def test_serve_flag_replaces_the_file_list(tmp_path: Path) -> None:
+    flag = (ServeSpec("x", memory_budget_gb=1), ServeSpec("y", layers="2:4"))
+    config = load_config({"serve": flag}, write(tmp_path, SERVE_TOML), {})
+    assert config.serve == (ServeSpec("x", memory_budget_gb=1.0), ServeSpec("y", layers="2:4"))
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        ('model = "a"\nlayer = "0:4"', r"unknown key 'layer' in \[\[serve\]\] table 2 .*'layers'"),
+        ('model = "a"\nbogus = 1', r"unknown key 'bogus' in \[\[serve\]\] table 2"),
+        ('model = "a"\nlayers = "15"', r"layers must be START:END.*\[\[serve\]\] table 2"),
+        ('model = "a"\nweights = "int3"', r"weights must be auto or one of .*table 2"),
+        ('model = "a"\ndtype = "fp16"', r"dtype must be .*table 2"),
+        ('model = "a"\nmemory_budget_gb = -1', r"memory_budget_gb must be .*table 2"),
+        ('model = "a"\nmemory_budget_gb = "4"', r"memory_budget_gb: expected float.*table 2"),
+        ('model = "a"\nlayers = 4', r"layers: expected str.*table 2"),
+        ("model = 1", r"model: expected str.*table 2"),
+        ('model = ""', r"model must be a non-empty .*table 2"),
+        ('layers = "0:4"', r"\[\[serve\]\] table 2 .* has no model"),
+    ],
+)
+def test_bad_serve_table(tmp_path: Path, table: str, match: str) -> None:
+    path = write(tmp_path, f'[[serve]]\nmodel = "ok"\n\n[[serve]]\n{table}\n')
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config({}, path, {})
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ['serve = "a"\n', "serve = [1]\n", '[serve]\nmodel = "a"\n'])
+def test_serve_that_is_not_a_list_of_tables(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match=r"serve: expected \[\[serve\]\] tables"):
+        load_config({}, write(tmp_path, text), {})
+
+
+def test_serve_flag_values_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"layers must be .*flag --layers"):
+        load_config({"serve": (ServeSpec("a"), ServeSpec("b", layers="7"))}, None, {})
+    with pytest.raises(ConfigError, match=r"model must be .*flag --model"):
+        load_config({"serve": (ServeSpec(""), ServeSpec("b"))}, None, {})
+    with pytest.raises(ConfigError, match="expected a tuple of ServeSpec"):
+        load_config({"serve": ("a", "b")}, None, {})
+
+
+def test_a_model_served_twice_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'a' is named twice .*flag --model"):
+        load_config({"serve": (ServeSpec("a"), ServeSpec("a", layers="0:4"))}, None, {})
+    path = write(
+        tmp_path, '[[serve]]\nmodel = "a"\n[[serve]]\nmodel = "b"\n[[serve]]\nmodel = "a"\n'
+    )
+    with pytest.raises(ConfigError, match="'a' is named twice") as info:
+        load_config({}, path, {})
+    assert str(path) in str(info.value)
+
+
+def test_no_model_from_each_layer(tmp_path: Path) -> None:
+    assert load_config({"no_model": True}, None, {}).no_model
+    assert load_config({}, None, {"SWARMD_NO_MODEL": "1"}).served() == ()
+    assert not load_config({}, None, {"SWARMD_NO_MODEL": "off"}).no_model
+    assert load_config({}, write(tmp_path, "no_model = true\n"), {}).no_model
+    assert not load_config({"no_model": False}, None, {"SWARMD_NO_MODEL": "yes"}).no_model
+    with pytest.raises(ConfigError, match="SWARMD_NO_MODEL"):
+        load_config({}, None, {"SWARMD_NO_MODEL": "maybe"})
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "text", "match"),
+    [
+        ({"model": "m"}, {}, "", r"but model is set too \(from flag --model\)"),
+        ({}, {"SWARMD_MODEL": "m"}, "", r"model is set too \(from env SWARMD_MODEL\)"),
+        ({}, {}, 'model = "m"\n', "model is set too .*config file"),
+        ({"layers": "0:4"}, {}, "", r"layers is set too \(from flag --layers\)"),
+        ({}, {"SWARMD_LAYERS": ""}, "", "layers is set too .*SWARMD_LAYERS"),
+        ({"serve": (ServeSpec("a"),)}, {}, "", r"models to serve is set too \(from flag"),
+        ({}, {}, '[[serve]]\nmodel = "a"\n', "models to serve is set too .*config file"),
+    ],
+)
+def test_no_model_refuses_a_model(
+    tmp_path: Path, flags: dict[str, object], env: dict[str, str], text: str, match: str
+) -> None:
+    path = write(tmp_path, "no_model = true\n" + text)
+    with pytest.raises(ConfigError, match=r"no_model .*holds no model") as info:
+        load_config(flags, path, env)
+    assert re.search(match, str(info.value))
+
+
+def test_no_model_with_default_model_fields_is_fine() -> None:
+    config = load_config({"no_model": True, "weights": "int8", "serve": ()}, None, {})
+    assert config.no_model
+    assert config.model == Config.model
+
+
+def test_serve_env_var_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"SWARMD_SERVE .*config file.*--model"):
+        load_config({}, None, {"SWARMD_SERVE": "a,b"})
+    with pytest.raises(ConfigError, match="SWARMD_SERVE"):
+        load_config({"serve": (ServeSpec("a"),)}, None, {"SWARMD_SERVE": "a"})
+
+
+def test_flat_fields_still_work_with_no_serve(tmp_path: Path) -> None:
+    path = write(tmp_path, 'model = "from-file"\nlayers = "0:4"\n')
+    config = load_config({}, path, {})
+    assert config.serve == ()
+    assert config.served() == (ServeSpec("from-file", "0:4"),)

@@ -28,7 +28,7 @@ from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import wire
 from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.ring import Ring, RingTimeouts
-from swarmd.pipeline.stage_service import StageService, StageTimeouts
+from swarmd.pipeline.stage_service import HeldStage, StageService, StageTimeouts
 
 UP = "12D3KooWUPSTREAMxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
 ME = "12D3KooWMIDDLExxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
@@ -101,14 +101,12 @@ def session(error: PeerError) -> tuple[list[tuple[str, str]], list[dict[str, Any
 
     async def main() -> None:
         limits = wire.StageLimits(ME, "m", LayerRange(10, 20), 30, 8, 100, 512)
+        stage = HeldStage.of(limits, torch.float32, run_job, KVBudget(1024))
         service = StageService(
             FakeHost(),  # type: ignore[arg-type]
-            limits,
-            torch.float32,
-            run_job,
+            [stage],
             ban,
             StageTimeouts(open_s=1.0, idle_s=5.0, step_s=1.0),
-            KVBudget(1024),
         )
 
         async def dial(peer_id: str, addrs: tuple[str, ...] = ()) -> DownLink:
@@ -119,7 +117,7 @@ def session(error: PeerError) -> tuple[list[tuple[str, str]], list[dict[str, Any
         route = (wire.RouteHop(UP, 0, 10), wire.RouteHop(ME, 10, 20), wire.RouteHop(DOWN, 20, 30))
         req = wire.OpenRequest("s.1", 1, route, {}, UP, "m", 64, SamplingParams(), ())
         with trio.fail_after(5):
-            await service._run_session(GarbageLink(error), req)  # type: ignore[arg-type]
+            await service._run_session(stage, GarbageLink(error), req)  # type: ignore[arg-type]
 
     trio.run(main)
     return bans, down.sent

@@ -1,7 +1,7 @@
 """The package's imports go one way: each layer uses only the layers below it.
 
     errors, dtypes, config, untrusted < model (+ engine) < net < dht < pipeline, transfer
-        < acquire, api, client < node < cli
+        < acquire, api, client, held < node < cli
 
 Imports under `if TYPE_CHECKING:` are annotations, not dependencies, and are not counted;
 imports inside functions are (they run).
@@ -29,6 +29,7 @@ RANKS: dict[str, int] = {
     "acquire": 5,
     "api": 5,
     "client": 5,
+    "held": 5,  # a model a node holds: the torch side, under the node
     "node": 6,
     "cli": 7,
     "__main__": 7,

@@ -30,6 +30,15 @@ TORCH_FREE = (
     "swarmd.pipeline.variants",
     "swarmd.dht.swarm",
     "swarmd.transfer.take",
+    "swarmd.model.jobs",
+    "swarmd.pipeline.chain",
+    "swarmd.pipeline.generation",
+    "swarmd.pipeline.stage_service",
+    "swarmd.pipeline.distributed",
+    "swarmd.pipeline.coordinator",
+    "swarmd.api.app",
+    "swarmd.node",  # a --no-model node: swarmd.held (the torch side) only with a model
+    "swarmd.cli",
 )
 
 # A meta-path finder that refuses torch, then the imports; prints what it refused, if any.
