@@ -1,6 +1,8 @@
 """Matrices as a stage holds them, and the one call each makes per step.
 
 - `Dense`: a float matrix, `F.linear` (oneDNN); activations cast to its dtype if need be.
+  Where one row alone would round otherwise than among others (oneDNN's bf16 kernels on
+  AVX-512 CPUs), a one-row input runs as two rows (`rows_for_one_kernel`).
 - `Int8`: int8 values with a scale per row, `_weight_int8pack_mm`.
 - `Int4`: torch's CPU-packed int4 with [K/32, N, 2] scales and zeros,
   `_weight_int4pack_mm_for_cpu`. Both quantized kernels are vectorised only for bfloat16
@@ -39,11 +41,85 @@ class Dense:
         self.bias = bias
         self.fmt = fmt
         self.out_features = int(weight.shape[0])
+        self.min_rows = rows_for_one_kernel(self.weight)
+        # [min_rows - 1, K] zeros that fill a shorter input up to min_rows
+        self._filler = self.weight.new_zeros(self.min_rows - 1, int(weight.shape[1]))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.weight.dtype:
+            return self._linear(x)
+        return self._linear(x.to(self.weight.dtype)).to(x.dtype)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        rows = int(x.shape[0])
+        if rows >= self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        padded = torch.cat((x, self._filler[: self.min_rows - rows]))
+        return F.linear(padded, self.weight, self.bias)[:rows]
+
+
+# ATen runs a bf16 / fp16 matmul of at most this many multiply-adds (M*N*K) in its own
+# gemm, and a larger one in oneDNN where the CPU has it (`checksize` in
+# aten/src/ATen/native/mkldnn/Matmul.cpp): two kernels, two roundings.
+_ONEDNN_MIN_MACS = 16 * 16 * 16
+_PROBE_ROWS = 8
+_probed: dict[tuple[int, int, torch.dtype], bool] = {}  # (N, K, dtype) -> rows alike
+
+
+def rows_for_one_kernel(weight: torch.Tensor) -> int:
+    """The fewest rows an input of `weight` needs for each row to round as in any batch.
+
+    oneDNN's bf16 brgemm (AVX-512 CPUs) blocks K otherwise for one row than for several
+    once K passes 1024 (measured with avx512_bf16, torch 2.13: 5-100% of the rows off by a
+    bf16 rounding); from 2 rows on, every row has the bits it has in M=2 whatever the
+    other rows, M (2 to 512) or thread count (1 to 16). So where a probe finds a lone row
+    rounding otherwise, it runs as two rows: 2-6% on a mid-size matmul (4 us), 5-8% faster
+    on large ones, no change measured on a decode step. Padding every matrix instead
+    would cost 3% a step (the tied head's M=1 kernel is the faster one). ATen's own gemm
+    (AVX2 CPUs) is alike for every M, MKL's float32 for none: both left as they are.
+    """
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return 1
+    n, k = (int(size) for size in weight.shape)
+    if n * k <= _ONEDNN_MIN_MACS:
+        # One row in ATen's gemm, more in oneDNN: the rows that reach oneDNN for any M.
+        # Only toy matrices are this small; a probe misses ATen's rarer differences.
+        return _ONEDNN_MIN_MACS // max(1, n * k) + 1
+    key = (n, k, weight.dtype)
+    if key not in _probed:
+        _probed[key] = _one_row_rounds_alike(weight)
+    return 1 if _probed[key] else 2
+
+
+@torch.inference_mode()
+def _one_row_rounds_alike(weight: torch.Tensor) -> bool:
+    """Whether rows of a matmul by `weight` run alone give the bits they give in a batch.
+
+    The kernel's blocking follows the shape, not the values, so the weight itself serves.
+    Random rows show another order of the adds only now and then under bf16 rounding, so
+    each probe row puts +big and -big on two equal weights of one output, far apart in K:
+    the small terms added between them lose bits that depend on how K is blocked, and the
+    cancelled result shows them (measured: 13-16 of 16 such rows differ where random rows
+    differ 0-16%)."""
+    n, k = (int(size) for size in weight.shape)
+    x = torch.randn(_PROBE_ROWS, k, generator=torch.Generator().manual_seed(0))
+    quarter = max(1, k // 4)
+    for r in range(_PROBE_ROWS):
+        w = weight[r * n // _PROBE_ROWS].float()  # [K]
+        first, last = w[:quarter], w[k - quarter :]
+        usable = first.abs() >= w.abs().mean() / 2  # not tiny: +-big stays finite
+        pairs = (torch.isin(first, last) & usable).nonzero()
+        if len(pairs) == 0:
+            continue  # no equal pair: a plain random row
+        p = int(pairs[0])
+        q = k - quarter + int((last == first[p]).nonzero()[-1])
+        big = torch.exp2(torch.round(torch.log2(2.0**20 * w.abs().mean() / w[p].abs())))
+        x[r, p], x[r, q] = big, -big
+    x = x.to(weight.dtype)
+    batch = F.linear(x, weight)
+    return all(
+        torch.equal(F.linear(x[r : r + 1], weight), batch[r : r + 1]) for r in range(_PROBE_ROWS)
+    )
 
 
 class Int8:

@@ -161,8 +161,10 @@ class LeanStage:
 
         The matrices see every row's tokens at once ([M, H], M the sum of the chunks);
         attention runs per row over that row's own cache, exactly as it would alone. The
-        quantized and bf16 kernels give each row of a matmul the same bits whatever the
-        other rows (measured), so a batched row is bit for bit the row run alone.
+        quantized kernels give each row of a matmul the same bits whatever the other rows
+        (measured), and so do the bf16 ones, with a lone row run as two where oneDNN
+        rounds one row otherwise (`linear.rows_for_one_kernel`); so a batched row is bit
+        for bit the row run alone.
 
         `alone` (per row): each position attends as a one-token step would. Attention over
         a chunk of queries rounds differently from one query at a time (SDPA's kernels block

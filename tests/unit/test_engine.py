@@ -13,6 +13,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from swarmd.engine.arch import arch_spec
+from swarmd.engine.linear import make_matrix
 from swarmd.engine.load import load_lean_stage
 from swarmd.engine.stage import LeanStage
 from swarmd.errors import ModelLoadError
@@ -174,7 +175,7 @@ def test_a_chunk_run_alone_is_bit_for_bit_its_one_token_steps(
 ) -> None:
     """What a failover's replay relies on: the reply's tokens fed again as one chunk,
     attended `alone`, leave the cache and the logits exactly as their decode steps did.
-    torch's int4, int8 and bfloat16 kernels give a row the same bits in any batch; its
+    The int4, int8 and bfloat16 matrices give a row the same bits in any batch; torch's
     float32 GEMM does not (it blocks by row count): there, equal to float32 rounding."""
     path, _ = make_tiny(family, tmp_path)
     stage = lean(path, weights=weights)
@@ -202,8 +203,8 @@ def test_rows_batched_together_equal_each_row_alone(
     """Continuous batching: three sequences with their own caches; one joins late with its
     prompt while the others decode; a decode-only forward, a mixed one, and chunks. Each
     row's outputs and cache equal the same row's run alone: bit for bit for int4, int8 and
-    bfloat16 (their kernels give a row the same bits in any batch), to float32 rounding for
-    float32 (its GEMM blocks by row count)."""
+    bfloat16 (their matrices give a row the same bits in any batch), to float32 rounding
+    for float32 (its GEMM blocks by row count)."""
     path, _ = make_tiny(family, tmp_path)
     stage = lean(path, weights=weights)
     streams = [prompt(n, seed=20 + n)[0] for n in (19, 23, 17)]  # past the window of 6
@@ -238,6 +239,22 @@ def test_rows_batched_together_equal_each_row_alone(
             torch.testing.assert_close(a._buffer[..., : a.length, :], b._buffer[..., : b.length, :])
         else:
             assert torch.equal(a._buffer[..., : a.length, :], b._buffer[..., : b.length, :])
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 64), (960, 960), (576, 1536), (960, 1280)])
+def test_a_bf16_matrix_gives_a_row_the_same_bits_in_any_batch(shape: tuple[int, int]) -> None:
+    """What batched rows' exactness rests on with bf16 weights: a row's bits do not depend
+    on the other rows, a row alone included. On AVX-512 CPUs oneDNN rounds a lone row
+    otherwise once K passes 1024, and ATen's own gemm takes the smallest products: there
+    `Dense` runs a lone row as two. On AVX2 CPUs every M rounds alike as it is."""
+    n, k = shape
+    torch.manual_seed(0)
+    matrix = make_matrix((torch.randn(n, k) * 0.05).bfloat16(), None, torch.bfloat16)
+    x = torch.randn(48, k).bfloat16()  # [M, K]
+    batch = matrix(x)
+    for m in (1, 2, 3, 7):
+        for i in range(0, 48 - m + 1, m):
+            assert torch.equal(matrix(x[i : i + m]), batch[i : i + m]), (m, i)
 
 
 def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path: Path) -> None:
