@@ -27,6 +27,7 @@ from swarmd import __version__
 from swarmd.api.access import is_loopback_name
 from swarmd.api.app import create_app
 from swarmd.api.edge import Edge, EdgeLimits, listen
+from swarmd.api.forward import LoopbackExecutor
 from swarmd.api.metrics import NodeMetrics, NodeState
 from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
@@ -59,8 +60,10 @@ from swarmd.pipeline.report import FailureRing
 from swarmd.pipeline.ring import RingTimeouts
 from swarmd.pipeline.stage_service import StageService, StageTimeouts
 from swarmd.pipeline.variants import choose_variant
+from swarmd.pipeline.wire import version_tuple
 from swarmd.transfer.fetch import FetchSettings
 from swarmd.transfer.files import FileServers, FileServeSettings
+from swarmd.transfer.forward import FORWARD_SINCE, Deliver, ForwardLimits, ForwardService, forward
 from swarmd.transfer.take import fetch_folder, fetch_missing, take_manifest
 
 if TYPE_CHECKING:  # the torch side: imported at run time only by a node holding a model
@@ -148,6 +151,9 @@ class Node:
         )
         self._stage_service: StageService | None = None
         self.file_servers: FileServers | None = None
+        # A peer's forwarded request runs through this node's own API (api/forward.py).
+        self.forwards = LoopbackExecutor(lambda: self.api_url, config.step_timeout_s + 10.0)
+        self.forward_limits = ForwardLimits(max_body_bytes=config.max_body_bytes)
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
@@ -259,6 +265,7 @@ class Node:
         await self.bridge.run(self.swarm.announce_now)
 
     async def stop(self) -> None:
+        await self.forwards.close()
         if self._listener is not None:
             self._listener.close()  # no new connections; the runner closes the open ones
             self._listener = None
@@ -486,6 +493,9 @@ class Node:
             idle_s=self.config.session_idle_timeout_s,
             step_s=self.config.step_timeout_s,
         )
+        if any(held.model.is_whole for held in self.held.values()):
+            # A model held whole answers peers' forwarded requests for it.
+            ForwardService(host, self._execute_forward, self.forward_limits)
         stages = [held.stage(self.identity.peer_id) for held in self.held.values()]
         service = StageService(host, stages, self.swarm.ban, timeouts, self._signed_addrs)
         self._stage_service = service
@@ -493,6 +503,35 @@ class Node:
             await service.run()
         finally:
             self._stage_service = None
+
+    async def _execute_forward(
+        self, path: str, body: bytes, peer_id: str, deliver: Deliver
+    ) -> None:
+        """Trio side: a peer's forwarded request, run on this node's API (asyncio)."""
+        await self.bridge.to_asyncio(self.forwards.execute(path, body, peer_id, deliver))
+
+    async def forward_holder(self, model_id: str) -> NodeRecord | None:
+        """A peer holding `model_id` whole that takes forwarded requests (the nearest),
+        for a model this node cannot route; None when there is none."""
+        banned = self.banned()
+        rtt = self.rtt_ms()
+        whole = [
+            r
+            for r in await self.holders(model_id)
+            if r.state == "ready"
+            and r.layer_start == 0
+            and r.layer_end == r.num_layers
+            and r.peer_id != self.identity.peer_id
+            and r.peer_id not in banned
+            and version_tuple(r.version) >= FORWARD_SINCE
+        ]
+        return min(whole, key=lambda r: rtt.get(r.peer_id, 1e9), default=None)
+
+    async def forward_to(self, peer_id: str, path: str, body: bytes, deliver: Deliver) -> None:
+        """Forward a request to `peer_id` (`api.forward.ForwardAccess`)."""
+        await self.bridge.run(
+            forward, self.swarm.host, peer_id, path, body, deliver, self.forward_limits
+        )
 
     async def _signed_addrs(self, peer_id: str, fresh: bool) -> frozenset[str] | None:
         """Trio side: the addresses `peer_id`'s signed record lists (None: no live record),

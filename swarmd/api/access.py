@@ -25,6 +25,7 @@ from aiohttp import web
 
 from swarmd.api import keys
 from swarmd.api.errors import Handler, error_body
+from swarmd.api.forward import is_forwarded
 from swarmd.api.tokens import TokenEntry
 
 if TYPE_CHECKING:
@@ -133,6 +134,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     node: Node = request.app[keys.NODE]
     if not (node.config.require_api_token or node.tokens.enforced):
         return await handler(request)
+    if path in JSON_PATHS and is_forwarded(request, node.forwards.secret):
+        return await handler(request)  # a swarm peer's request, run here over loopback
     header = request.headers.get("Authorization")
     token = bearer_token(header)
     entry: TokenEntry | None = node.tokens.verify(token) if token is not None else None

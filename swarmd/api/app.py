@@ -264,15 +264,14 @@ async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | Non
     try:
         variant = choose_variant(listed.model_id, ready, node.model_ids)
         chosen = [r for r in ready if r.model_hash == variant.content_id]
-    except ModelNotFoundError:
-        variant, chosen = None, ready  # served without a manifest: not routable here
+    except ModelNotFoundError:  # served without a manifest: forwarded to a whole holder
+        variant, chosen = None, ready
     holders = {r.peer_id: (r.layer_start, r.layer_end) for r in chosen}
     hashes = {e.model_hash: e for _, e in listed.listed_by}
     listing = hashes.get(variant.content_id if variant else "") or listed.listed_by[0][1]
     num_layers = chosen[0].num_layers
-    return _entry(
-        node, listed.model_id, listing.context_length, num_layers, holders, variant is not None
-    )
+    routable = variant is not None or await node.forward_holder(listed.model_id) is not None
+    return _entry(node, listed.model_id, listing.context_length, num_layers, holders, routable)
 
 
 def _entry(

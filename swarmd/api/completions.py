@@ -16,6 +16,7 @@ from aiohttp import web
 from swarmd.api import keys
 from swarmd.api.choices import Choices, choice_requests, run_all
 from swarmd.api.errors import classify
+from swarmd.api.forward import forward_reply, is_forwarded
 from swarmd.api.logprobs import LogprobsWriter, Pairs
 from swarmd.api.schemas import (
     ChatCompletionRequest,
@@ -24,11 +25,13 @@ from swarmd.api.schemas import (
     parse_body,
     validate,
 )
+from swarmd.dht.records import NodeRecord
 from swarmd.errors import (
     ClientDisconnectedError,
     ContextLengthError,
     InvalidRequestError,
     KVRoomError,
+    ModelNotFoundError,
     SwarmError,
 )
 from swarmd.model.grammar import GrammarSpec, ToolCallFormat
@@ -301,6 +304,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, "text")
 
 
+async def _forward_holder(request: web.Request, model_id: str) -> NodeRecord | None:
+    """Where to forward a request for a model this node cannot route (None: nowhere; a
+    request forwarded here already is never forwarded again)."""
+    node = request.app[keys.NODE]
+    if is_forwarded(request, node.forwards.secret):
+        return None
+    return await node.forward_holder(model_id)
+
+
 async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     timing = Timing()
@@ -316,7 +328,16 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = validate(CompletionRequest, body)
         model_name = req.model
         req.check_supported()
-        model = await coordinator.resolve(req.model)
+        try:
+            model = await coordinator.resolve(req.model)
+        except ModelNotFoundError:
+            holder = await _forward_holder(request, req.model)
+            if holder is None:
+                raise
+            node = request.app[keys.NODE]
+            report = coordinator.report
+            raw = await request.read()
+            return await forward_reply(request, node, holder, raw, request_id, req.model, report)
         # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
         tools: _Tools | None = None
         if isinstance(req, ChatCompletionRequest) and req.uses_tools():

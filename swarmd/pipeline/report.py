@@ -22,7 +22,7 @@ def ms(seconds: float | None) -> float | None:
 class RequestRecord:
     request_id: str
     model: str
-    route: str  # local | distributed
+    route: str  # local | distributed | forwarded
     nodes: list[str]  # short ids, in route order
     outcome: str  # ok | error
     error_type: str | None = None

@@ -67,15 +67,19 @@ def a(
         yield node
 
 
-def chat(node: NodeProcess, model: str, **extra: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
-    body = {
+def question(model: str, **extra: Any) -> dict[str, Any]:
+    """The tests' chat request: a short greedy reply unless `extra` says otherwise."""
+    return {
         "model": model,
         "messages": [{"role": "user", "content": "Name a colour."}],
         "max_tokens": 12,
         "temperature": 0,
-        "return_token_ids": True,
         **extra,
     }
+
+
+def chat(node: NodeProcess, model: str, **extra: Any) -> tuple[int, dict[str, Any], dict[str, str]]:
+    body = question(model, return_token_ids=True, **extra)
     status, reply, headers = http_json(f"{node.url}/v1/chat/completions", body, timeout_s=120)
     return status, reply, {k.lower(): v for k, v in headers.items()}
 
@@ -121,8 +125,8 @@ def test_every_node_lists_every_model_of_the_swarm(a: NodeProcess, b: NodeProces
     other = listed(a)[OTHER]["swarm"]
     assert other["holders"] == [{"peer_id": b_id, "layers": [0, 4]}]
     assert other["complete"] and other["routable"] and other["num_layers"] == 4
-    # A's model comes from a plain folder: listed, but B cannot route it.
-    assert listed(b)[own_a]["swarm"]["routable"] is False
+    # A's model comes from a plain folder: B cannot take its files, but forwards to A.
+    assert listed(b)[own_a]["swarm"]["routable"] is True
     status, detail = _get(a, f"/v1/models/{OTHER}")
     assert status == 200 and detail["id"] == OTHER
     assert _get(a, "/v1/models/nobody-serves-this")[0] == 404
@@ -186,15 +190,57 @@ def test_a_model_nobody_serves_is_a_404_naming_model(a: NodeProcess) -> None:
     assert "no peer of the swarm serves it" in reply["error"]["message"]
 
 
-def test_a_model_served_without_a_manifest_names_why_it_cannot_be_routed(
+def stream_text(node: NodeProcess, model: str) -> tuple[str, dict[str, str]]:
+    """A greedy streamed reply's text (every delta joined) and the response headers."""
+    body = question(model, stream=True)
+    request = urllib.request.Request(
+        f"{node.url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    parts: list[str] = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        headers = {k.lower(): v for k, v in response.headers.items()}
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for choice in event.get("choices", []):
+                parts.append(choice["delta"].get("content") or "")
+    return "".join(parts), headers
+
+
+def test_a_model_served_without_a_manifest_is_forwarded_to_its_holder(
     a: NodeProcess, b: NodeProcess
 ) -> None:
-    """A's model comes from a plain folder: there is no content id to take its files by."""
+    """A's model comes from a plain folder: no content id to take its files by, so B
+    forwards the request, as its client sent it, to A, which holds it whole."""
     own_model = str(a.get_json("/v1/models")["data"][0]["id"])  # type: ignore[index]
-    # Until B finds A's record, the model is one nobody serves; then B says why.
-    assert wait_until(lambda: "without a manifest" in str(chat(b, own_model)[1]), 30, 0.5)
-    status, reply, _ = chat(b, own_model)
-    assert status == 404 and reply["error"]["param"] == "model"
+    status, want, _ = chat(a, own_model)
+    assert status == 200, want
+    # Until B finds A's record, the model is one nobody serves.
+    assert wait_until(lambda: chat(b, own_model)[0] == 200, 30, 0.5)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        replies = list(pool.map(lambda m: chat(b, m), [own_model] * 3))
+    for status, reply, headers in replies:
+        assert status == 200, reply
+        assert headers["x-swarm-route"] == "forwarded"
+        assert headers["x-swarm-nodes"] == a.health()["peer_id"][-8:]  # type: ignore[index]
+        assert reply["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    text, headers = stream_text(b, own_model)
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["x-swarm-route"] == "forwarded"
+    assert text == want["choices"][0]["message"]["content"]
+    assert "route=forwarded" in b.log_text()
+    # What only the holder can check (its model's context) is refused as it says it,
+    # and nobody is banned for what a request asked.
+    status, reply, headers = chat(b, own_model, max_tokens=10**6)
+    assert status == 400 and headers["x-swarm-route"] == "forwarded", reply
+    assert reply["error"]["param"] == "max_tokens", reply
+    assert b.get_json("/api/peers")["bans"] == []  # type: ignore[index]
+    assert a.get_json("/api/peers")["bans"] == []  # type: ignore[index]
 
 
 def test_first_requests_at_once_take_the_files_once_and_a_damaged_cache_is_taken_again(
@@ -282,6 +328,11 @@ def test_a_node_without_a_model_lists_and_answers_the_swarms_models(
         status == 200
         and greedy["choices"][0]["token_ids"] == chat(b, OTHER)[1]["choices"][0]["token_ids"]
     )
+    # A's model has no manifest: C forwards it to A, and the reply is A's own.
+    assert wait_until(lambda: chat(c, own_a)[0] == 200, 30, 0.5)
+    status, reply, headers = chat(c, own_a)
+    assert status == 200 and headers["x-swarm-route"] == "forwarded", reply
+    assert reply["choices"][0]["token_ids"] == chat(a, own_a)[1]["choices"][0]["token_ids"]
     # Still no torch, and the peak memory of the whole run is that of a light node.
     assert not _maps_torch(c.proc.pid)
     peak_mb = _status_kb(c.proc.pid, "VmHWM") / 1024

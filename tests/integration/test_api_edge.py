@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from swarmd.api.forward import FORWARD_HEADER
 from swarmd.api.tokens import TokenStore
 from swarmd.config import Config
 from swarmd.errors import ConfigError
@@ -113,6 +114,28 @@ async def test_require_api_token_refuses_everyone_until_a_token_exists(
     node = await make_node(require_api_token=True)
     async with aiohttp.ClientSession() as http, http.get(node.api_url + "/v1/models") as response:
         assert response.status == 401
+
+
+async def test_only_the_nodes_own_forward_secret_stands_in_for_a_token(
+    make_node: NodeFactory,
+) -> None:
+    """A peer's forwarded request runs here over loopback with the node's secret; a
+    client that guesses at the header is refused like any client without a token."""
+    node = await make_node(require_api_token=True)
+    url = node.api_url + CHAT
+    async with aiohttp.ClientSession() as http:
+        secret = node.forwards.secret
+        near = secret[:-1] + ("A" if secret[-1] != "A" else "B")  # one character off
+        for guess in ("", "x", near):
+            headers = {FORWARD_HEADER: guess}
+            async with http.post(url, json=body(max_tokens=1), headers=headers) as response:
+                assert response.status == 401
+        headers = {FORWARD_HEADER: node.forwards.secret}
+        async with http.post(url, json=body(max_tokens=1), headers=headers) as response:
+            assert response.status == 200
+        # Only the completion endpoints: never the admin ones.
+        async with http.get(node.api_url + "/metrics", headers=headers) as response:
+            assert response.status == 401
 
 
 def test_an_api_beyond_loopback_needs_a_token_to_start(tmp_path: Path) -> None:
