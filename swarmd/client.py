@@ -102,13 +102,16 @@ async def _print_stream(response: aiohttp.ClientResponse) -> str:
                 sys.stdout.write(text)
                 sys.stdout.flush()
         if "swarm" in chunk:
-            summary = _summary(chunk["swarm"], chunk.get("usage"))
+            forwarded = response.headers.get("x-swarm-route") == "forwarded"
+            summary = _summary(chunk["swarm"], chunk.get("usage"), forwarded)
     return summary
 
 
-def _summary(swarm: dict[str, Any], usage: dict[str, Any] | None) -> str:
+def _summary(swarm: dict[str, Any], usage: dict[str, Any] | None, forwarded: bool) -> str:
+    """`forwarded`: the node passed the request on whole; `swarm` is the holder's."""
     timing = swarm.get("timing", {})
-    parts = [f"{swarm.get('route')} via {','.join(swarm.get('nodes', []))}"]
+    route = f"{swarm.get('route')} via {','.join(swarm.get('nodes', []))}"
+    parts = [f"forwarded ({route})" if forwarded else route]
     if usage:
         parts.append(f"{usage['completion_tokens']} tokens")
     decode_ms = timing.get("decode_ms")
