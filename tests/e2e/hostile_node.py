@@ -27,31 +27,40 @@ from swarmd.errors import PeerError
 from swarmd.pipeline import wire
 from swarmd.pipeline.coordinator import Coordinator
 from swarmd.pipeline.links import Link
-from swarmd.pipeline.stage_service import StageService
+from swarmd.pipeline.stage_service import HeldStage, StageService
 
 MODES = ("shape", "dtype", "nan", "blame", "hangup")
 
 
+def claim(self: Coordinator, model_id: str | None = None) -> float:
+    """The throughput a hostile node claims in its records, so that routes take it."""
+    return 1e6
+
+
 def blame() -> None:
-    async def forward(self: StageService, up: Link, down: Link, req: wire.OpenRequest) -> None:
+    async def forward(
+        self: StageService, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest
+    ) -> None:
         await up.recv(self.timeouts.idle_s)  # the first step: answered with a lie
         victim = req.route[req.hop - 1].peer_id if req.is_last else req.next_peer
         why = f"stage {victim[-8:]} lost: connection reset"
         await up.send(wire.fail_frame(victim, why, "lost"))
 
     StageService._forward = forward  # type: ignore[method-assign]
-    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
+    Coordinator.recent_tokens_per_second = claim  # type: ignore[method-assign]
 
 
 def hang_up() -> None:
-    async def forward(self: StageService, up: Link, down: Link, req: wire.OpenRequest) -> None:
+    async def forward(
+        self: StageService, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest
+    ) -> None:
         await up.recv(self.timeouts.idle_s)  # the first step: never passed on
         await down.close()
         with contextlib.suppress(PeerError):  # until the coordinator gives up the session
             await up.recv(self.timeouts.idle_s)
 
     StageService._forward = forward  # type: ignore[method-assign]
-    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
+    Coordinator.recent_tokens_per_second = claim  # type: ignore[method-assign]
 
 
 def corrupt(mode: str) -> None:
@@ -79,7 +88,7 @@ def corrupt(mode: str) -> None:
         return frame
 
     wire.step_frame = step_frame  # type: ignore[assignment]
-    Coordinator.recent_tokens_per_second = lambda self: 1e6  # type: ignore[method-assign]
+    Coordinator.recent_tokens_per_second = claim  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

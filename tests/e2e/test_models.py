@@ -144,9 +144,10 @@ def test_every_node_lists_every_model_of_the_swarm(a: NodeProcess, b: NodeProces
 
 
 def test_a_model_that_leaves_the_swarm_leaves_every_list(
-    folders: tuple[Path, Path], a: NodeProcess, b: NodeProcess, tmp_path: Path
+    folders: tuple[Path, Path], a: NodeProcess, b: NodeProcess, c: NodeProcess, tmp_path: Path
 ) -> None:
-    """Stopped, its node withdraws it at once; killed, it goes when its records expire."""
+    """Stopped, its node withdraws it at once; killed, it goes when its records expire:
+    from the lists of holders and of the light node alike."""
     leaver = tmp_path / "leaver"
     shutil.copytree(folders[0], leaver)
     config = tmp_path / "short.toml"
@@ -167,11 +168,12 @@ def test_a_model_that_leaves_the_swarm_leaves_every_list(
         tmp_path,
     )
     try:
-        assert wait_until(lambda: "leaver" in listed(a) and "leaver" in listed(b), 30, 0.5)
+        assert wait_until(lambda: all("leaver" in listed(n) for n in (a, b, c)), 30, 0.5)
         node.proc.kill()  # no withdrawal: its records run out
         node.proc.wait(timeout=30)
         assert wait_until(lambda: "leaver" not in listed(a), 30, 0.5), listed(a)
         assert "leaver" not in listed(b)
+        assert wait_until(lambda: "leaver" not in listed(c), 10, 0.5), listed(c)
     finally:
         node.stop()
 
