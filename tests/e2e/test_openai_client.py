@@ -341,16 +341,18 @@ def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) ->
     assert swarm["complete"] is True and swarm["coverage"] == [[0, 30]]
     health = embedded_node.health()
     assert health["status"] == "ok"
-    assert health["models"] == [
-        {
-            "id": embedded_node.model_id,
-            "layers": [0, 30],
-            "num_layers": 30,
-            "weights": "int4",  # the GGUF's own Q4_1, held as it is
-            "dtype": "bfloat16",
-            "backend": "engine",
-        }
-    ]
+    [held] = health["models"]  # type: ignore[misc]
+    assert {k: held[k] for k in ("id", "layers", "num_layers", "weights", "dtype", "backend")} == {
+        "id": embedded_node.model_id,
+        "layers": [0, 30],
+        "num_layers": 30,
+        "weights": "int4",  # the GGUF's own Q4_1, held as it is
+        "dtype": "bfloat16",
+        "backend": "engine",
+    }
+    # Per model, and in all: one model held, so the two agree.
+    assert held["kv_budget_tokens"] == health["kv_budget_tokens"] > 0
+    assert held["sessions"] == health["sessions"]
     assert str(health["peer_id"]).startswith("12D3KooW")
 
 
