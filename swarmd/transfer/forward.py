@@ -168,24 +168,32 @@ class ForwardService:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(put, frame)
 
+        closed = trio.Event()  # the requester closed its side
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._execute, path, body, stream.peer_id, deliver)
-            nursery.start_soon(_watch, stream, nursery.cancel_scope)
+            nursery.start_soon(_watch, stream, nursery.cancel_scope, closed)
             async with rx:
                 async for frame in rx:
                     await stream.send(frame, timeout_s=self._limits.send_s)
                     if frame["t"] == "end":
                         break
             tx.close()
+            # The requester closes its side once it has read `end`. Cancelling the watch's
+            # read before that resets the stream, and a reset can drop the `end` (and the
+            # last data) still in flight: wait for the close, within a bound.
+            with trio.move_on_after(self._limits.request_s):
+                await closed.wait()
             nursery.cancel_scope.cancel()
 
 
-async def _watch(stream: FrameStream, scope: trio.CancelScope) -> None:
-    """The requester's side of the stream, while its reply runs: it gone (its client left,
-    or it failed), the reply is cancelled; anything it sends is a bad frame."""
+async def _watch(stream: FrameStream, scope: trio.CancelScope, closed: trio.Event) -> None:
+    """The requester's side of the stream, while its reply runs: closed (it read the whole
+    reply, or its client left, or it failed), the reply is over; anything it sends is a
+    bad frame."""
     try:
         await stream.recv(math.inf)
     except StreamClosedError:
+        closed.set()
         scope.cancel()
         return
     raise MalformedFrameError("a forward stream carries one request frame", stream.peer_id)

@@ -207,3 +207,24 @@ def test_a_requester_gone_mid_reply_cancels_the_request_on_the_holder() -> None:
             assert bans == []
 
     trio.run(main)
+
+
+def test_every_reply_arrives_whole_before_the_stream_ends() -> None:
+    """The holder waits for the requester to close before it lets go of the stream: a
+    reset right after `end` could drop the last frames still in flight."""
+
+    async def execute(path: str, body: bytes, peer_id: str, deliver: Deliver) -> None:
+        deliver(head_frame(200, {"content-type": "text/event-stream"}))
+        for i in range(20):
+            deliver(data_frame(b"x" * 2000 + str(i).encode()))
+        deliver(END_FRAME)
+
+    async def main() -> None:
+        async with pair() as (holder, requester, bans):
+            ForwardService(holder, execute, LIMITS)
+            for _ in range(40):
+                got = await collect(requester, holder)
+                assert len(got) == 22 and got[-1] == END_FRAME
+            assert bans == []
+
+    trio.run(main)
