@@ -64,7 +64,6 @@ class HeldModel:
             constraints=model.constraint,
         )
         self.worker = TorchWorker(self.runtime, torch_threads)
-        self.file_server: FileServer | None = None
 
     @property
     def model_id(self) -> str:
@@ -95,8 +94,7 @@ class HeldModel:
             return None
         # Verified at start-up: the files of its layers (others are hashed when asked for).
         verified = manifest.files_for(self.model.layers)
-        self.file_server = FileServer(self.model.source.model_dir, manifest, verified, settings)
-        return self.file_server
+        return FileServer(self.model.source.model_dir, manifest, verified, settings)
 
     def index_entry(self) -> ModelEntry:
         model = self.model

@@ -211,7 +211,8 @@ def test_a_requester_gone_mid_reply_cancels_the_request_on_the_holder() -> None:
 
 def test_every_reply_arrives_whole_before_the_stream_ends() -> None:
     """The holder waits for the requester to close before it lets go of the stream: a
-    reset right after `end` could drop the last frames still in flight."""
+    reset right after `end` could drop the last frames still in flight. A requester
+    that reads its reply late (a loaded machine) still gets every frame."""
 
     async def execute(path: str, body: bytes, peer_id: str, deliver: Deliver) -> None:
         deliver(head_frame(200, {"content-type": "text/event-stream"}))
@@ -225,6 +226,13 @@ def test_every_reply_arrives_whole_before_the_stream_ends() -> None:
             for _ in range(40):
                 got = await collect(requester, holder)
                 assert len(got) == 22 and got[-1] == END_FRAME
+            for _ in range(3):
+                stream = await requester.open_stream(holder.peer_id, FORWARD_PROTOCOL)
+                await stream.send({"path": "/v1/completions", "body": BODY})
+                await trio.sleep(0.5)  # the holder has sent everything by now
+                late = [await stream.recv(5.0) for _ in range(22)]
+                assert late[-1] == END_FRAME
+                await stream.close()
             assert bans == []
 
     trio.run(main)
