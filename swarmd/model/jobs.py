@@ -25,6 +25,8 @@ class OpenJob:
     layers: LayerRange | None = None  # part of what this node holds; None = all
     prompt: tuple[int, ...] = ()  # the prompt ids (a whole-model session: prefix reuse)
     share: str | None = None  # an open session of the same prompt whose cache to copy
+    resume: tuple[str, int] | None = None  # (key, n): a kept cache to take, cut to n
+    keep_as: str | None = None  # keep this session's cache under this key when it ends
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError, SwarmError
 from swarmd.model.grammar import GrammarSpec
 from swarmd.model.layers import LayerRange
+from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued
 from swarmd.model.rows import Row
 from swarmd.model.sampler import Sampler
 from swarmd.model.sampling import Constraint, Sampled, SamplingParams, TokenLogprobs
@@ -82,6 +83,9 @@ class StageSession:
     # replies to the prompt), and a fork's copy: its first step is answered from them.
     prompt_logits: torch.Tensor | None = None
     pending: torch.Tensor | None = None
+    # A stage of a route: keep its cache under this key when it ends, for the next turn
+    # of the conversation, which its coordinator opens on the same route to resume it.
+    keep_as: str | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -111,14 +115,11 @@ class StepResult:
     logprobs: TokenLogprobs | None = None  # the token's, when its session asked for them
 
 
-MIN_PREFIX_TOKENS = 16  # a shorter shared start is not worth keeping a cache for
-
-
 @dataclass
 class _Prefix:
     """A finished session's cache, kept for a next turn that starts with its tokens."""
 
-    tokens: list[int]
+    tokens: list[int] | None  # None: a route's stage, resumed by key only (it sees no ids)
     module: Stage
     cache: Any
     held: int  # positions its buffer holds (at least its tokens)
@@ -176,6 +177,8 @@ class StageRuntime:
         layers: LayerRange | None = None,
         prompt: list[int] | None = None,
         share: str | None = None,
+        resume: tuple[str, int] | None = None,
+        keep_as: str | None = None,
     ) -> int:
         """Create a session over `layers` (default: all held); return how many tokens of
         `prompt` its cache already holds (reused from a finished conversation that began
@@ -183,7 +186,10 @@ class StageRuntime:
         prompt: the caller prefills only the rest).
 
         `history`: reply tokens already sampled (for the penalties), when a session is
-        rebuilt after a failover.
+        rebuilt after a failover. `resume` (key, n): a route's stage takes over the cache
+        a finished session kept under `key`, cut to its first n positions (0 when it is
+        not kept any more: the coordinator then prefills from the start); `keep_as`: when
+        this session ends, keep its cache under that key for such a resume.
         """
         if session_id in self._sessions:
             raise InternalError(f"Session {session_id} is already open")
@@ -201,6 +207,8 @@ class StageRuntime:
             for token in history or []:
                 sampler.observe(token)
         reused, cache, pending = self._fork(share, module, prompt, max_length)
+        if cache is None and resume is not None:
+            reused, cache = self._resume(module, resume[0], resume[1], max_length)
         if cache is None:
             reused, cache = self._adopt(module, prompt, max_length)
         track = module.is_first and prompt is not None and self.prefix_tokens > 0
@@ -214,6 +222,7 @@ class StageRuntime:
             list(prompt[:reused]) if track and prompt is not None else None,
             tuple(prompt or ()),
             pending=pending,
+            keep_as=keep_as,
         )
         return reused
 
@@ -245,16 +254,12 @@ class StageRuntime:
             return 0, None
         best_key, best = None, 0
         for key, kept in self._prefixes.items():
-            if kept.module is not module:
+            if kept.module is not module or kept.tokens is None:
                 continue
-            shared = _shared_start(kept.tokens, prompt)
-            # A continuation of that conversation: its whole prompt and then some of its
-            # reply. Not another request with the same system prompt, nor the same
-            # prompt again (that one's reply is then exactly a fresh prefill's).
-            if shared > kept.prompt_length and shared > best:
-                best_key, best = key, shared
-        best = min(best, len(prompt) - 1)  # the last prompt token is run for its logits
-        if best_key is None or best < MIN_PREFIX_TOKENS:
+            reuse = continued(kept.tokens, kept.prompt_length, prompt)
+            if reuse > best:
+                best_key, best = key, reuse
+        if best_key is None:
             return 0, None
         kept = self._prefixes.pop(best_key)
         kept.cache.length = best  # later positions are overwritten as the session runs
@@ -262,6 +267,21 @@ class StageRuntime:
         self.prefix_hits += 1
         self.prefix_reused_tokens += best
         return best, kept.cache
+
+    def _resume(self, module: Stage, key: str, length: int, max_length: int) -> tuple[int, Any]:
+        """The cache kept under `key` by a session over the same layers, cut to `length`
+        positions; (0, None) when it is gone (evicted, or never kept here) or shorter."""
+        kept = self._prefixes.get(key)
+        if kept is None or kept.module is not module or not 0 < length < max_length:
+            return 0, None
+        if kept.cache.length < length:
+            return 0, None
+        del self._prefixes[key]
+        kept.cache.length = length  # later positions are overwritten as the session runs
+        kept.cache.max_length = max_length
+        self.prefix_hits += 1
+        self.prefix_reused_tokens += length
+        return length, kept.cache
 
     def step(
         self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
@@ -379,13 +399,21 @@ class StageRuntime:
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
-        if session is None or session.tokens is None or len(session.tokens) < MIN_PREFIX_TOKENS:
-            return
-        if not hasattr(session.cache, "length") or session.cache.length != len(session.tokens):
+        if session is None or not hasattr(session.cache, "length"):
             return  # only the engine's caches can be cut back to a shared start
-        held = max(len(session.tokens), int(getattr(session.cache, "capacity", 0)))
-        kept = _Prefix(session.tokens, session.module, session.cache, held, session.prompt_length)
-        self._prefixes[session_id] = kept
+        key, tokens = session_id, session.tokens
+        if session.keep_as is not None:  # a route's stage: resumed by key, by its coordinator
+            key, tokens = session.keep_as, None
+            if session.cache.length < MIN_PREFIX_TOKENS:
+                return
+        elif tokens is None or len(tokens) < MIN_PREFIX_TOKENS:
+            return
+        if tokens is not None and session.cache.length != len(tokens):
+            return
+        held = max(session.cache.length, int(getattr(session.cache, "capacity", 0)))
+        self._prefixes.pop(key, None)
+        kept = _Prefix(tokens, session.module, session.cache, held, session.prompt_length)
+        self._prefixes[key] = kept
         while self._prefixes and self.prefix_held_tokens > self.prefix_tokens:
             self._prefixes.popitem(last=False)  # the least recently finished goes
 
@@ -398,11 +426,3 @@ class StageRuntime:
         if session is None:
             raise InternalError(f"Session {session_id} is not open on this stage")
         return session
-
-
-def _shared_start(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -324,6 +324,8 @@ class TorchWorker:
                 job.layers,
                 list(job.prompt) or None,
                 job.share,
+                job.resume,
+                job.keep_as,
             )
         return self.runtime.close(job.session_id)
 

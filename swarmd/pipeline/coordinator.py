@@ -24,6 +24,7 @@ from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.chain import Hop, StageChain
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
+from swarmd.pipeline.kept import KeptConversations
 from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
 
 if TYPE_CHECKING:  # a node holding no layers never imports torch
@@ -89,6 +90,8 @@ class Coordinator:
         # Failure reports of other stages that this node's checks disproved, per teller:
         # shared by every request, so a peer that keeps naming honest ones is banned.
         self.false_reports = FalseReports()
+        # What this node's finished distributed sessions left in their stages' caches.
+        self.kept = KeptConversations()
         # Told of every finished request, with the gaps between its tokens (metrics).
         self.observe: Callable[[RequestRecord, list[float]], None] | None = None
         self.in_flight = 0
@@ -139,16 +142,24 @@ class Coordinator:
             vocab_size=model.vocab_size,
         )
 
-    async def plan(self, need_tokens: int, sampling: SamplingParams, model: Routed) -> StageChain:
-        """This node alone when it holds every layer, else the best route over the swarm."""
+    async def plan(
+        self, need_tokens: int, sampling: SamplingParams, model: Routed, prompt: list[int]
+    ) -> StageChain:
+        """This node alone when it holds every layer, else the best route over the swarm:
+        the route of the conversation `prompt` continues, while it serves (its stages
+        hold that conversation's caches)."""
         held = self.held.get(model.model_id)
         if held is not None and held.model.is_whole:
             hop = Hop(self.short_id, held.model.layers)
             return held.local_chain(hop, self._limits.step_timeout_s)
         settings = self.settings_for(model)
         route, records = await plan(self.swarm, settings, need_tokens, sampling)
+        taken = self.kept.take(model.model_id, prompt, records, self.swarm.banned())
+        resume = None
+        if taken is not None:
+            route, resume = taken
         return DistributedChain(
-            self.swarm, settings, route, records, need_tokens, self.false_reports
+            self.swarm, settings, route, records, need_tokens, self.false_reports, self.kept, resume
         )
 
     @asynccontextmanager
@@ -190,7 +201,7 @@ class Coordinator:
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(need, request.sampling, model)
+            chain = await self.plan(need, request.sampling, model, request.prompt_ids)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,

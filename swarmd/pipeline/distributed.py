@@ -39,6 +39,7 @@ from swarmd.net.loop_errors import first_of
 from swarmd.pipeline import bounds, wire
 from swarmd.pipeline.admission import needs_more_than
 from swarmd.pipeline.chain import Hop
+from swarmd.pipeline.kept import KeptConversations, Resume
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.route import Route, plan_route, replan
@@ -139,9 +140,13 @@ class DistributedChain:
         records: list[NodeRecord],
         need_tokens: int,
         false_reports: FalseReports | None = None,
+        kept: KeptConversations | None = None,
+        resume: Resume | None = None,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
-        requests, so a repeat offender is caught; a fresh one when not given)."""
+        requests, so a repeat offender is caught; a fresh one when not given); `kept`:
+        the node's ledger of conversations its routes keep (None: the stages keep
+        nothing); `resume`: the kept conversation this request continues, on `route`."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -162,6 +167,10 @@ class DistributedChain:
         self._activation_bytes = 0
         self._attempt = 0
         self._vouched = False  # this ring's peers are in the ledger as having served
+        self._kept = kept
+        self._resume = resume  # tried on the first ring only
+        self._reused = 0
+        self._prompt_length = 0
 
     @property
     def is_local(self) -> bool:
@@ -177,16 +186,35 @@ class DistributedChain:
     ) -> int:
         # `share` is a one-node route's: stages of a ring hold no copyable caches (yet).
         self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
+        self._prompt_length = len(prompt)
         await self._with_failover(None, False)
-        return 0  # prefix reuse is a one-node route's for now: every stage prefills
+        return self._reused  # positions of a kept conversation every stage took over
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
         return await self._with_failover(token_ids, want_token)
 
     async def close(self) -> None:
+        """End the session; its stages keep their caches, and this node remembers what
+        they hold, for the conversation's next turn."""
+        ring = self._ring
+        await self._drop_ring()
+        if ring is not None and self._kept is not None and self._keeps(self.route):
+            self._kept.remember(
+                self._settings.model_id, self.route, ring.sid, self._steps, self._prompt_length
+            )
+
+    async def _drop_ring(self) -> None:
         ring, self._ring = self._ring, None
         if ring is not None:
             await self._access.in_trio(ring.close)
+
+    def _keeps(self, route: Route) -> bool:
+        """Whether this route's stages are asked to keep the session's caches: all of them
+        read `keep` (an older stage would take the frame for garbage)."""
+        if self._kept is None:
+            return False
+        versions = {r.peer_id: r.version for r in self._records}
+        return all(wire.reads_resume(versions.get(p, "0")) for p in route.peers)
 
     def stage_seconds(self) -> list[float]:
         return list(self._stage_s)
@@ -232,6 +260,8 @@ class DistributedChain:
         if self._sampling is None:
             raise InternalError("open() first")
         self._attempt += 1
+        resume, self._resume = self._resume, None  # a failover's ring replays instead
+        keep = self._keeps(self.route)
         request = open_request(
             f"{self._session_id}.{self._attempt}",
             self.route,
@@ -242,6 +272,8 @@ class DistributedChain:
             self._max_length,
             self._sampling,
             tuple(self._reply),
+            keep,
+            (resume.sid, resume.length) if resume is not None and keep else None,
         )
         ring = Ring(
             self._access.stage_service, request, self._settings.timeouts, self._settings.vocab_size
@@ -249,12 +281,27 @@ class DistributedChain:
         self._ring = ring
         self._vouched = False
         await self._access.in_trio(ring.open)
+        if request.resume is not None and resume is not None:
+            if ring.reused == resume.length:
+                self._steps = resume.steps  # what the caches hold: a failover replays them
+                self._reused = resume.length
+                return
+            # A stage let the conversation go: a fresh session, and the whole prompt.
+            log.info(
+                "resume of %s missed on the route (%d of %d positions): prefilling",
+                resume.sid,
+                ring.reused,
+                resume.length,
+            )
+            await self._drop_ring()
+            await self._build_ring()
+            return
         chunk = min(self._settings.chunk_tokens, bounds.MAX_STEP_TOKENS)
         for tokens, alone in replay_steps(self._steps, chunk):
             await self._step(tokens, False, alone)
 
     async def _fail_over(self, exc: StageFailedError) -> None:
-        await self.close()
+        await self._drop_ring()
         self.failovers += 1
         peer = exc.peer_id
         log.warning(
@@ -371,9 +418,12 @@ def open_request(
     max_length: int,
     sampling: SamplingParams,
     history: tuple[int, ...],
+    keep: bool = False,
+    resume: tuple[str, int] | None = None,
 ) -> wire.OpenRequest:
     """The `open` frame's request for stage 0 of `route` (pure). `top_k` travels as the
-    wire reads it (`bounds.wire_top_k`: off at or over the vocabulary)."""
+    wire reads it (`bounds.wire_top_k`: off at or over the vocabulary); `keep` and
+    `resume`: see `wire` (prefix reuse)."""
     by_peer = {r.peer_id: r for r in records}
     addrs = {p: by_peer[p].addrs for p in route.peers if p in by_peer}
     addrs[me] = my_addrs
@@ -387,6 +437,8 @@ def open_request(
         max_length=max_length,
         sampling=replace(sampling, top_k=bounds.wire_top_k(sampling.top_k, settings.vocab_size)),
         history=history,
+        keep=keep,
+        resume=resume,
     )
 
 

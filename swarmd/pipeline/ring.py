@@ -95,6 +95,11 @@ class Ring:
         self._ret: Link | None = None
         self._n = 0
         self._closed = False
+        self.reused = 0  # positions every stage resumed from a kept conversation (open)
+
+    @property
+    def sid(self) -> str:
+        return self._req.sid
 
     async def open(self) -> None:
         req = self._req
@@ -162,10 +167,11 @@ class Ring:
 
     # --- events -------------------------------------------------------------------------
 
-    def _return_arrived(self, link: Link) -> None:
+    def _return_arrived(self, link: Link, ret: wire.Ret) -> None:
         if self._closed:
             return
         self._ret = link
+        self.reused = ret.reused or 0
         self._service.spawn(self._read, "ret", link)
         self._tx.send_nowait(_Event("ready", None))
 

@@ -109,7 +109,7 @@ class PendingReturn:
     """A ring waiting for its last stage's answer stream."""
 
     peer_id: str  # the only peer allowed to send it
-    arrived: Callable[[Link], None]  # called once, with the stream, when it comes
+    arrived: Callable[[Link, wire.Ret], None]  # called once, with the stream, when it comes
     done: trio.Event = field(default_factory=trio.Event)  # the ring no longer needs it
     link: Link | None = None
 
@@ -179,7 +179,9 @@ class StageService:
             except PeerError as exc:
                 log.debug("dial %s via %s failed: %s", peer_id[-8:], addr, exc)
 
-    def expect_return(self, sid: str, last_peer_id: str, arrived: Callable[[Link], None]) -> None:
+    def expect_return(
+        self, sid: str, last_peer_id: str, arrived: Callable[[Link, wire.Ret], None]
+    ) -> None:
         """Hand the return stream of ring `sid`, when `last_peer_id` opens it, to `arrived`."""
         self._pending[sid] = PendingReturn(last_peer_id, arrived)
 
@@ -208,13 +210,13 @@ class StageService:
         else:
             raise MalformedFrameError(f"a stage stream starts with open or ret, not {kind}")
 
-    async def _attach_return(self, link: Link, sid: str) -> None:
-        pending = self._pending.get(sid)
+    async def _attach_return(self, link: Link, ret: wire.Ret) -> None:
+        pending = self._pending.get(ret.sid)
         if pending is None or pending.link is not None or pending.peer_id != link.peer_id:
-            log.debug("return stream for unknown ring %s from %s", sid, link.peer_id[-8:])
+            log.debug("return stream for unknown ring %s from %s", ret.sid, link.peer_id[-8:])
             return  # a ring that gave up already, or not this peer's: close it
         pending.link = link
-        pending.arrived(link)
+        pending.arrived(link, ret)
         await pending.done.wait()  # the stream stays open while the ring reads it
 
     async def _serve_session(self, up: Link, first: dict[str, Any]) -> None:
@@ -259,16 +261,24 @@ class StageService:
     async def _open_and_run(self, stage: HeldStage, up: Link, req: wire.OpenRequest) -> None:
         sid = req.sid
         opening = OpenJob(
-            sid, req.max_length, req.sampling if req.is_last else None, req.history, req.me.layers
+            sid,
+            req.max_length,
+            req.sampling if req.is_last else None,
+            req.history,
+            req.me.layers,
+            resume=None if req.resume is None else (_kept_key(req, req.resume[0]), req.resume[1]),
+            keep_as=_kept_key(req, sid) if req.keep else None,
         )
         refused = False
         try:
             try:
-                await stage.run(opening, self.timeouts.step_s)
+                reused = await stage.run(opening, self.timeouts.step_s)
             except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
                 refused = True  # nothing of this stream's to free (nor another's to touch)
                 await _report(up, wire.fail_frame(self.peer_id, str(exc), "declined"))
                 return
+            if req.resume is not None and reused != req.resume[1]:
+                req = replace(req, resume=None)  # the stages after this one prefill too
             await self._run_session(stage, up, req)
         finally:
             # Also when cancelled or timed out while the open was running: the cache it
@@ -296,7 +306,7 @@ class StageService:
             return
         try:
             hello = (
-                wire.ret_frame(req.sid)
+                wire.ret_frame(req.sid, _resumed(req))
                 if req.is_last
                 else wire.open_frame(replace(req, hop=req.hop + 1))
             )
@@ -447,6 +457,21 @@ def _as_malformed(exc: FrameError) -> MalformedFrameError:
 def _relayed(frame: dict[str, Any]) -> dict[str, Any]:
     """A failure report from another stage, checked, to pass on toward the coordinator."""
     return wire.relay_frame(frame)
+
+
+def _kept_key(req: wire.OpenRequest, sid: str) -> str:
+    """Where a route's stage keeps a finished session's cache: under its coordinator, so
+    that only the coordinator of a conversation resumes it (the sid, a fresh uuid, is
+    known to the route's peers only)."""
+    return f"{req.coordinator}/{sid}"
+
+
+def _resumed(req: wire.OpenRequest) -> int | None:
+    """What the last stage's `ret` says of a resume: None when none was asked, else the
+    positions every stage took (`resume` travels on only from a stage that took them)."""
+    if not req.keep and req.resume is None:
+        return None
+    return 0 if req.resume is None else req.resume[1]
 
 
 def request_id_of(sid: str) -> str:

@@ -5,8 +5,9 @@ last stage -> coordinator. Each stream starts with one frame saying what it is:
 
     open   {"t": "open", "sid", "hop", "route": [[peer, start, end], ...],
             "addrs": {peer: [multiaddr, ...]}, "coord", "model", "max_len",
-            "sampling": {...}, "history": <int32 bytes>}       upstream -> stage `hop`
-    ret    {"t": "ret", "sid"}                                  last stage -> coordinator
+            "sampling": {...}, "history": <int32 bytes>,
+            "keep"?: true, "resume"?: [sid, n]}                 upstream -> stage `hop`
+    ret    {"t": "ret", "sid", "reused"?: n}                    last stage -> coordinator
 
 then, downstream, one frame per chunk of tokens:
 
@@ -19,6 +20,13 @@ then, downstream, one frame per chunk of tokens:
 `sampling` may carry `top_logprobs` (logprobs asked for) and `grammar` ([kind, source]:
 the reply is constrained to it; the last stage compiles it, and rebuilds its state from
 `history` after a failover).
+
+Prefix reuse on a route (since 0.4): `keep` asks each stage to keep the session's cache
+when it ends; the coordinator's next turn of that conversation, on the same route, opens
+with `resume` [that session's sid, n]: each stage takes the kept cache cut to n positions
+and passes `resume` on only when it did, so the last stage's `ret` says `reused` n when
+every stage holds the conversation's first n positions (0: the coordinator prefills from
+the start on a fresh session). Kept caches answer only to the coordinator that made them.
 
 `ms` lists each stage's compute milliseconds for this step so far, `ab` the activation
 bytes sent between stages. A stage that sees something fail sends
@@ -118,6 +126,8 @@ class OpenRequest:
     max_length: int
     sampling: SamplingParams
     history: tuple[int, ...]  # reply tokens so far (a session rebuilt after a failover)
+    keep: bool = False  # keep the session's cache when it ends (a next turn resumes it)
+    resume: tuple[str, int] | None = None  # (sid, n): take that kept cache's first n positions
 
     @property
     def me(self) -> RouteHop:
@@ -163,6 +173,12 @@ class Fail:
     kind: str
     status: int | None = None  # a refusal's HTTP status (400 | 413); None otherwise
     param: str | None = None  # the request parameter a refusal names, when one does
+
+
+@dataclass(frozen=True)
+class Ret:
+    sid: str
+    reused: int | None  # positions every stage resumed (None: the open did not ask)
 
 
 @dataclass(frozen=True)
@@ -228,8 +244,16 @@ OPEN = Schema(
         ("sampling", Struct(SAMPLING)),
         ("history", Bytes(MAX_CONTEXT_TOKENS, item_size=4, what="int32")),
     ),
+    (
+        ("keep", Bool()),
+        ("resume", Tuple((("sid", SID), ("n", Int(1, MAX_CONTEXT_TOKENS))))),
+    ),
 )
-RET = Schema("ret frame", (("t", Choice(("ret",))), ("sid", SID)))
+RET = Schema(
+    "ret frame",
+    (("t", Choice(("ret",))), ("sid", SID)),
+    (("reused", Int(0, MAX_CONTEXT_TOKENS)),),
+)
 _STEP_COMMON = (
     ("t", Choice(("step",))),
     ("n", COUNTER),
@@ -301,6 +325,13 @@ def ints_to_bytes(values: list[int] | tuple[int, ...]) -> bytes:
 # stage refuses a frame holding one as malformed (and bans its sender), so a request that
 # needs one is routed only through stages whose records say they read it.
 SAMPLING_KEYS_SINCE: dict[str, tuple[int, ...]] = {"top_logprobs": (0, 2), "grammar": (0, 2)}
+# The first swarmd whose stages read `keep` and `resume` (and whose `ret` says `reused`).
+RESUME_SINCE = (0, 4)
+
+
+def reads_resume(version: str) -> bool:
+    """Whether a stage of swarmd `version` reads `keep` and `resume` in an open."""
+    return version_tuple(version) >= RESUME_SINCE
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -352,6 +383,8 @@ def open_frame(req: OpenRequest) -> dict[str, Any]:
         max_len=req.max_length,
         sampling=sampling,
         history=ints_to_bytes(req.history),
+        **({"keep": True} if req.keep else {}),
+        **({} if req.resume is None else {"resume": [req.resume[0], req.resume[1]]}),
     )
 
 
@@ -442,8 +475,12 @@ def _clean_why(why: str) -> str:
 END_FRAME: dict[str, Any] = _build(END, t="end")
 
 
-def ret_frame(sid: str) -> dict[str, Any]:
-    return _build(RET, t="ret", sid=sid)
+def ret_frame(sid: str, reused: int | None = None) -> dict[str, Any]:
+    """`reused`: only in answer to an open that asked to resume (an older coordinator
+    never asks, so never reads a key it does not know)."""
+    if reused is None:
+        return _build(RET, t="ret", sid=sid)
+    return _build(RET, t="ret", sid=sid, reused=reused)
 
 
 # --- checking ---------------------------------------------------------------------------
@@ -477,8 +514,22 @@ def parse_open(frame: dict[str, Any], limits: StageLimits) -> OpenRequest:
     except RequestRefusedError as exc:  # raised once the whole frame is known well formed
         refusal, sampling = exc, SamplingParams()
     model_id = f["model"]
+    resume = f.get("resume")
+    if resume is not None and resume[1] >= max_length:
+        why = f"'resume' keeps {resume[1]} positions of a {max_length}-token session"
+        raise MalformedFrameError(why)
     req = OpenRequest(
-        f["sid"], hop, route, addrs, f["coord"], model_id, max_length, sampling, history
+        f["sid"],
+        hop,
+        route,
+        addrs,
+        f["coord"],
+        model_id,
+        max_length,
+        sampling,
+        history,
+        f.get("keep", False),
+        None if resume is None else (resume[0], resume[1]),
     )
     me = req.me
     if me.peer_id != limits.peer_id:
@@ -581,9 +632,9 @@ def parse_fail(frame: dict[str, Any]) -> Fail:
     return Fail(f["peer"], why, "refused", f["status"], f["param"])
 
 
-def parse_ret(frame: dict[str, Any]) -> str:
-    sid: str = _read(RET, frame)["sid"]
-    return sid
+def parse_ret(frame: dict[str, Any]) -> Ret:
+    f = _read(RET, frame)
+    return Ret(f["sid"], f.get("reused"))
 
 
 # --- checks that span fields or need this node's limits ---------------------------------

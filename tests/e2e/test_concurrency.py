@@ -175,3 +175,75 @@ def test_a_second_turn_reuses_the_first_turns_cache(
     assert status == 200 and fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert turn2["choices"][0]["message"] == fresh["choices"][0]["message"]
     assert f"cached_tokens={cached}" in embedded_node.log_text()
+
+
+def test_next_turns_through_two_stages_reuse_every_stages_cache(
+    two_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    """Prefix reuse on a route: two conversations at once through two stages; each next
+    turn goes back to the stages that hold its first turn, reuses those positions on both
+    (cached_tokens), answers first at least twice as fast, and says what a node that never
+    saw turn 1 says. Then a turn whose stages let the cache go prefills it all, right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.e2e.test_pipeline import LONG_PROMPT
+
+    node = two_stages["a"]
+    url = f"{node.url}/v1/chat/completions"
+    # Two conversations of ~140 tokens: both fit the stages' prefix caches (an eighth
+    # of their 3,000-token budgets: 375) at once.
+    head = LONG_PROMPT[: LONG_PROMPT.index("Line 5:")]
+    firsts = [{**chat_body(f"{head} Number {i}.", 12), "stream": False} for i in (3, 8)]
+
+    def ask(body: dict[str, Any]) -> dict[str, Any]:
+        status, reply, _ = http_json(url, body, timeout_s=120)
+        assert status == 200, reply
+        return reply
+
+    with ThreadPoolExecutor(2) as pool:
+        turn1 = list(pool.map(ask, firsts))
+    seconds = [
+        {
+            **first,
+            "messages": [
+                *first["messages"],
+                {"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                {"role": "user", "content": "Now say it in five words."},
+            ],
+        }
+        for first, reply in zip(firsts, turn1, strict=True)
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        turn2 = list(pool.map(ask, seconds))
+    for first, second, body in zip(turn1, turn2, seconds, strict=True):
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert first["usage"]["prompt_tokens"] < cached < second["usage"]["prompt_tokens"]
+        assert second["swarm"]["timing"]["ttft_ms"] <= first["swarm"]["timing"]["ttft_ms"] / 2
+        status, fresh, _ = http_json(f"{embedded_node.url}/v1/chat/completions", body)
+        assert status == 200 and fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["choices"][0]["message"] == fresh["choices"][0]["message"]
+        assert f"cached_tokens={cached}" in node.log_text()
+    # Each stage took its cache over: a third turn of conversation 0 that repeats turn 2's
+    # prompt is no continuation of turn 2's reply, and nothing of turn 1 is kept any more.
+    third = ask(seconds[0])
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert third["choices"][0]["message"] == turn2[0]["choices"][0]["message"]
+    # A longer conversation then pushes conversation 1's caches out of both stages; this
+    # node still remembers them, so its next turn asks, is told 0, and prefills it all.
+    ask({**chat_body(LONG_PROMPT[: LONG_PROMPT.index("Line 14:")], 4), "stream": False})
+    later = {
+        **seconds[1],
+        "messages": [
+            *seconds[1]["messages"],
+            {"role": "assistant", "content": turn2[1]["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "And in three?"},
+        ],
+    }
+    missed = ask(later)
+    assert missed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "missed on the route" in node.log_text()
+    status, fresh, _ = http_json(f"{embedded_node.url}/v1/chat/completions", later)
+    assert status == 200 and missed["choices"][0]["message"] == fresh["choices"][0]["message"]
+    for stage in (two_stages["a"], two_stages["b"]):
+        assert "peer banned" not in stage.log_text() and "stage failed" not in stage.log_text()

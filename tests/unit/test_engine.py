@@ -315,6 +315,67 @@ def test_the_same_prompt_again_is_not_served_from_the_cache(tmp_path: Path) -> N
     assert runtime.prefix_hits == 0
 
 
+def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path: Path) -> None:
+    """Prefix reuse on a route: each stage keeps its part of a finished session under the
+    key its open named, and a next turn's open takes it cut to n positions; both stages
+    then compute what a fresh two-stage session does. A stage asked for a cache it no
+    longer holds (another key, other layers, too short) takes nothing and says 0."""
+    from swarmd.model.runtime import StageRuntime
+    from swarmd.model.sampling import SamplingParams
+
+    path, _ = make_tiny("llama", tmp_path)
+    greedy = SamplingParams(temperature=0.0)
+    front, back = LayerRange(0, 2), LayerRange(2, 4)
+
+    def two_stages() -> tuple[StageRuntime, StageRuntime]:
+        return (
+            StageRuntime(lean(path, front), max_sessions=4, prefix_tokens=400),
+            StageRuntime(lean(path, back), max_sessions=4, prefix_tokens=400),
+        )
+
+    def run(stages: tuple[StageRuntime, StageRuntime], sid: str, ids: list[int]) -> int | None:
+        hidden = stages[0].step(sid, torch.tensor([ids]), False).hidden
+        return stages[1].step(sid, hidden, True).token
+
+    kept = two_stages()
+    turn1 = prompt(20, seed=11)[0].tolist()
+    for i, stage in enumerate(kept):
+        stage.open("a.1", 96, greedy if i else None, keep_as="coord/a.1")
+    reply = [run(kept, "a.1", turn1)]
+    for _ in range(4):
+        reply.append(run(kept, "a.1", [reply[-1]]))
+    for stage in kept:
+        stage.close("a.1")
+    fed = turn1 + reply[:-1]  # what the caches hold
+    assert all(stage.prefix_held_tokens >= len(fed) for stage in kept)
+    # Nothing resumes without the key: not another key, nor a prompt that matches.
+    assert kept[0].open("x", 96, None, prompt=[*fed, 3]) == 0
+    assert kept[0].open("y", 96, None, resume=("coord/other.1", 10)) == 0
+    turn2 = [*fed, int(reply[-1]), *prompt(6, seed=12)[0].tolist()]
+    n = len(fed) - 2  # a resume may take fewer positions than were kept
+    for i, stage in enumerate(kept):
+        assert stage.open("b.1", 96, greedy if i else None, resume=("coord/a.1", n)) == n
+    got = run(kept, "b.1", turn2[n:])
+    fresh = two_stages()
+    for i, stage in enumerate(fresh):
+        stage.open("f.1", 96, greedy if i else None)
+    assert run(fresh, "f.1", turn2) == got
+    assert all(stage.prefix_hits == 1 and stage.prefix_held_tokens == 0 for stage in kept)
+    # Taken once: a second resume of the same key finds nothing; nor does one of more
+    # positions than were kept, nor one over other layers.
+    again = two_stages()
+    for stage in again:
+        stage.open("c.1", 96, None, keep_as="coord/c.1")
+    hidden = again[0].step("c.1", torch.tensor([turn1]), False).hidden
+    again[1].step("c.1", hidden, False)
+    for stage in again:
+        stage.close("c.1")
+    assert again[0].open("d.1", 96, None, resume=("coord/c.1", len(turn1) + 1)) == 0
+    assert again[0].open("e.1", 96, None, resume=("coord/c.1", 5), layers=LayerRange(0, 1)) == 0
+    assert again[0].open("g.1", 96, None, resume=("coord/c.1", 5)) == 5
+    assert again[0].open("h.1", 96, None, resume=("coord/c.1", 5)) == 0
+
+
 def test_two_conversations_continue_at_once_each_from_its_own_cache(tmp_path: Path) -> None:
     """Prefix reuse with several sessions: two finished conversations, both next turns
     opened together and prefilled in one batched forward, each reusing its own cache."""

@@ -314,7 +314,9 @@ def test_a_why_is_one_printable_line_when_parsed(why: str) -> None:
 
 
 def test_ret_and_end_round_trip() -> None:
-    assert parse_ret(wire(ret_frame("sess-01"))) == "sess-01"
+    assert parse_ret(wire(ret_frame("sess-01"))) == stage_wire.Ret("sess-01", None)
+    assert parse_ret(wire(ret_frame("sess-01", 0))) == stage_wire.Ret("sess-01", 0)
+    assert parse_ret(wire(ret_frame("sess-01", 37))).reused == 37
     assert frame_type(ret_frame("s")) == "ret"
     assert frame_type(wire(END_FRAME)) == "end"
 
@@ -904,7 +906,7 @@ def built_frames() -> list[tuple[dict[str, Any], Any, Callable[[dict[str, Any]],
     """(frame, its declaration, its parser) for every frame a builder makes."""
     w = stage_wire
     return [
-        (open_frame(make_request()), w.OPEN, lambda f: parse_open(f, LIMITS)),
+        (open_frame(RESUMING), w.OPEN, lambda f: parse_open(f, LIMITS)),
         (ids_dict(), w.STEP_IDS, lambda f: parse_step(f, 0, True, LIMITS, torch.float32)),
         (hidden_dict(), w.STEP_HIDDEN, lambda f: parse_step(f, 4, False, LIMITS, torch.float32)),
         (
@@ -914,12 +916,46 @@ def built_frames() -> list[tuple[dict[str, Any], Any, Callable[[dict[str, Any]],
         ),
         (fail_frame(NEXT, "x", "lost"), w.FAIL, parse_fail),
         (fail_frame(NEXT, "x", "refused", 413, "max_tokens"), w.REFUSAL, parse_fail),
-        (ret_frame("s"), w.RET, parse_ret),
+        (ret_frame("s", 12), w.RET, parse_ret),
         (dict(END_FRAME), w.END, frame_type),
     ]
 
 
 LOGPROBS = TokenLogprobs(-0.5, ((5, -0.5), (7, -1.25), (0, IMPOSSIBLE)))
+RESUMING = make_request(keep=True, resume=("chatcmpl-9f.1", 40))
+
+
+def test_keep_and_resume_travel_and_are_optional() -> None:
+    """Prefix reuse on a route: an open asks its stages to keep the session's cache, and a
+    next turn's open resumes a kept one; an older coordinator's open has neither key."""
+    req = parse_open(wire(open_frame(RESUMING)), LIMITS)
+    assert (req.keep, req.resume) == (True, ("chatcmpl-9f.1", 40))
+    plain = open_frame(make_request())
+    assert "keep" not in plain and "resume" not in plain
+    req = parse_open(wire(plain), LIMITS)
+    assert (req.keep, req.resume) == (False, None)
+
+
+@pytest.mark.parametrize(
+    "resume",
+    [
+        ["chatcmpl-9f.1", 0],  # nothing to resume
+        ["chatcmpl-9f.1", 256],  # the whole session (max_len 256): nothing left to feed
+        ["chatcmpl-9f.1", -3],
+        ["a/b", 40],  # not a session id
+        ["chatcmpl-9f.1"],
+        "chatcmpl-9f.1",
+        ["chatcmpl-9f.1", 40, 1],
+    ],
+)
+def test_a_bad_resume_is_malformed(resume: Any) -> None:
+    frame = {**open_frame(RESUMING), "resume": resume}
+    malformed(lambda: parse_open(wire(frame), LIMITS), "resume")
+
+
+@pytest.mark.parametrize("reused", [-1, "3", None, 1.5])
+def test_a_bad_reused_count_is_malformed(reused: Any) -> None:
+    malformed(lambda: parse_ret({"t": "ret", "sid": "ok", "reused": reused}), "reused")
 
 
 def test_logprobs_and_the_grammar_travel_and_are_optional() -> None:
@@ -998,14 +1034,16 @@ def test_no_int_field_of_any_frame_takes_a_bool() -> None:
 
 
 def test_every_field_of_every_frame_is_refused_when_missing_or_of_another_type() -> None:
-    for frame, _, parse in built_frames():
+    for frame, schema, parse in built_frames():
         if frame["t"] == "end":
             continue  # one field, read by frame_type
+        optional = {k for k, _ in schema.optional}
         for key in frame:
             if key == "t":
                 continue
-            with pytest.raises(MalformedFrameError):
-                parse({k: v for k, v in frame.items() if k != key})
+            if key not in optional:  # an optional key's absence: its own tests
+                with pytest.raises(MalformedFrameError):
+                    parse({k: v for k, v in frame.items() if k != key})
             with pytest.raises(MalformedFrameError):
                 parse({**frame, key: {"not": "this"}})
 

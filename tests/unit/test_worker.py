@@ -40,6 +40,8 @@ class FakeRuntime:
         layers: LayerRange | None = None,
         prompt: list[int] | None = None,
         share: str | None = None,
+        resume: tuple[str, int] | None = None,
+        keep_as: str | None = None,
     ) -> int:
         self.calls.append(("open", session_id, threading.current_thread().name))
         return 0

@@ -1,0 +1,35 @@
+"""When a prompt continues a finished conversation (prefix reuse), in one place.
+
+Torch-free: a stage's runtime and a route's coordinator (which may hold no layers)
+apply the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+MIN_PREFIX_TOKENS = 16  # a shorter shared start is not worth keeping a cache for
+
+
+def shared_start(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def continued(kept: Sequence[int], kept_prompt_length: int, prompt: Sequence[int]) -> int:
+    """How many leading positions of a kept conversation (`kept`: the ids its cache holds,
+    its prompt then its reply) a new `prompt` may reuse; 0 when it is no continuation.
+
+    A continuation shares the conversation's whole prompt and then some of its reply. Not
+    another request with the same system prompt, nor the same prompt again (that one's
+    reply is then exactly a fresh prefill's). The prompt's last token is always run for
+    its logits, so at most all but it are reused.
+    """
+    shared = shared_start(kept, prompt)
+    if shared <= kept_prompt_length:
+        return 0
+    reuse = min(shared, len(prompt) - 1)
+    return reuse if reuse >= MIN_PREFIX_TOKENS else 0
