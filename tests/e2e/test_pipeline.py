@@ -376,6 +376,53 @@ def test_a_killed_stage_fails_over_to_its_standby(
     assert "DIAG: peer banned" in swarm["a"].log_text()
 
 
+def test_a_resumed_turn_whose_stage_is_killed_fails_over_to_the_same_text(swarm: Swarm) -> None:
+    """Turn 2 resumes turn 1's caches on its route; its last stage then dies mid-reply. The
+    standby is fed what those caches held (turn 1's steps, as they ran) and turn 2's own,
+    so the reply goes on exactly as the resumed route gave it without the kill. (Not
+    necessarily as a fresh prefill gives it: see the README on prefix reuse.)"""
+    swarm.start([("a", "0:15", None), ("b", "15:30", None), ("b2", "15:30", None)])
+    swarm.wait_holders("a", 3)
+    by_short = {swarm.short_id(n): n for n in ("b", "b2")}
+    first = chat_body(LONG_PROMPT[: LONG_PROMPT.index("Line 6:")], 12)
+
+    def second_turn() -> dict[str, Any]:
+        status, turn1, _ = http_json(f"{swarm['a'].url}/v1/chat/completions", first)
+        assert status == 200
+        messages = [
+            *first["messages"],
+            {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Now write a short poem about those boats."},
+        ]
+        return {
+            **chat_body("", 80, True),
+            "messages": messages,
+            "stream_options": {"include_usage": True},
+        }
+
+    def run(kill: bool) -> tuple[Stream, int | None]:
+        stream = Stream(swarm["a"], second_turn())
+        route = stream.headers["x-swarm-nodes"].split(",")
+        victim = next(by_short[s] for s in route if s in by_short)
+        cached = None
+        for event in stream.events():
+            if kill and stream.content_events == 10 and swarm[victim].proc.poll() is None:
+                os.kill(swarm[victim].proc.pid, signal.SIGKILL)
+                swarm[victim].proc.wait(timeout=10)
+            if event.get("usage"):
+                cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert stream.done and not stream.errors and stream.swarm is not None
+        return stream, cached
+
+    reference, cached = run(kill=False)
+    assert reference.swarm is not None and reference.swarm["failovers"] == 0 and cached
+    stream, cached_again = run(kill=True)  # turn 1 again: not a continuation, kept anew
+    assert stream.swarm is not None and stream.swarm["failovers"] == 1
+    assert cached_again == cached
+    assert stream.text == reference.text
+    assert stream.finish_reason == reference.finish_reason
+
+
 def test_a_killed_range_without_standby_ends_the_stream_with_an_error(swarm: Swarm) -> None:
     swarm.start([("a", "0:10", None), ("b", "10:20", None), ("c", "20:30", None)])
     swarm.wait_holders("a", 3)
