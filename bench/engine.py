@@ -13,7 +13,12 @@ Phases (each in its own process, `--threads` torch/llama.cpp threads, default 2)
 Per phase: decode tok/s of a greedy 128-token reply ((tokens - 1) / first-to-last token
 time), TTFT of that reply, prefill tok/s of a ~500-token prompt (prompt tokens / time to
 its first token; each run's prompt starts with a new line so no server can reuse a cached
-prefix), and the server's peak RSS (VmHWM) after its runs; medians of `--runs`. Ends with
+prefix), and the server's peak RSS (VmHWM) after its runs; medians of `--runs`. The swarmd
+nodes run with `prefix_cache_tokens` 0 (`--prefix-cache-tokens`): no prompt here continues
+an earlier one, so a kept conversation is never reused and would only add its KV (46 KB a
+token for the embedded model in float32, 8 MB a 128-token reply) to every later peak, up
+to the node's prefix budget; the int4 node's RSS after each reply shows that growth when
+the cache is on. Ends with
 
     RESULT int4_over_llamacpp=<r> int4_over_fp32=<r> prefill_over_llamacpp=<r> rss_mb=<MB>
 
@@ -21,6 +26,7 @@ prefix), and the server's peak RSS (VmHWM) after its runs; medians of `--runs`. 
 the machine meanwhile.
 
 Usage: .venv/bin/python bench/engine.py [--cache-dir DIR] [--runs 3] [--threads 2]
+       [--phases swarmd-int4,llama.cpp] [--prefix-cache-tokens 0]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +64,7 @@ class Phase:
     prefill_tok_s: list[float] = field(default_factory=list)
     rss_mb: float | None = None  # peak after the 128-token replies
     rss_after_prefill_mb: float | None = None  # peak after the ~500-token prompts too
+    rss_each_mb: list[float] = field(default_factory=list)  # RSS after each timed reply
     note: str = ""
 
     def median(self, values: list[float]) -> float | None:
@@ -71,6 +79,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="the swarmd nodes' prefix_cache_tokens (-1: a node's default, an eighth of its "
+        "KV budget); 0: keep no finished conversation, none is ever continued here",
+    )
+    parser.add_argument(
+        "--phases", default="", help="comma-separated phase names to run (default: all)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # transformers phase, in a child
     return parser.parse_args()
 
@@ -138,6 +156,9 @@ def measure_server(
         phase.ttft_ms.append(ttft * 1000)
         if len(arrivals) > 1:
             phase.decode_tok_s.append((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]))
+        rss = rss_mb(pid)
+        if rss is not None:
+            phase.rss_each_mb.append(rss)
     phase.rss_mb = peak_rss_mb(pid)
     for run in range(args.runs):
         ttft, _, _ = stream_chat(port, model, prefill_prompt(run), 1)
@@ -146,9 +167,18 @@ def measure_server(
 
 
 def peak_rss_mb(pid: int) -> float | None:
+    return _status_mb(pid, "VmHWM:")
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident now (what a kept conversation adds stays in it; a reply's own KV does not)."""
+    return _status_mb(pid, "VmRSS:")
+
+
+def _status_mb(pid: int, key: str) -> float | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -193,7 +223,8 @@ def swarmd_phase(
     cmd += ["--data-dir", str(workdir / name), "--cache-dir", str(args.cache_dir)]
     cmd += ["--torch-threads", str(args.threads), *flags]
     log = (workdir / f"{name}.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    env = {**os.environ, "SWARMD_PREFIX_CACHE_TOKENS": str(args.prefix_cache_tokens)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
     try:
         wait_http(port, "/health", proc, 600)
         health = json.loads(_get(port, "/health"))
@@ -362,12 +393,24 @@ def main() -> None:
     gguf = embedded_gguf_path()
     workdir = Path(tempfile.mkdtemp(prefix="swarmd-bench-engine-"))
     counts = prompt_counts(args.cache_dir, args.runs)
-    phases = [transformers_phase(args)]
-    fp32 = ["--weights", "fp32", "--dtype", "float32"]
-    phases.append(swarmd_phase("swarmd-fp32", fp32, args, workdir, counts))
-    phases.append(swarmd_phase("swarmd-int8", ["--weights", "int8"], args, workdir, counts))
-    phases.append(swarmd_phase("swarmd-int4", [], args, workdir, counts))
-    phases.append(llamacpp_phase(args))
+    fp32_flags = ["--weights", "fp32", "--dtype", "float32"]
+    runners: dict[str, Callable[[], Phase]] = {
+        "transformers-fp32": lambda: transformers_phase(args),
+        "swarmd-fp32": lambda: swarmd_phase("swarmd-fp32", fp32_flags, args, workdir, counts),
+        "swarmd-int8": lambda: swarmd_phase(
+            "swarmd-int8", ["--weights", "int8"], args, workdir, counts
+        ),
+        "swarmd-int4": lambda: swarmd_phase("swarmd-int4", [], args, workdir, counts),
+        "llama.cpp": lambda: llamacpp_phase(args),
+    }
+    wanted = set(args.phases.split(",")) if args.phases else set(runners)
+    unknown = wanted - set(runners)
+    if unknown:
+        raise SystemExit(f"unknown phase(s) {sorted(unknown)}; known: {', '.join(runners)}")
+    # A phase left out is shown as skipped: the RESULT ratios that need it print "-".
+    phases = [
+        run() if name in wanted else Phase(name, note="skipped") for name, run in runners.items()
+    ]
     print(
         f"\n{gguf.name}, {args.threads} threads, {args.max_tokens}-token greedy replies, "
         f"medians of {args.runs}"
@@ -389,6 +432,11 @@ def main() -> None:
     )
     by = {p.name: p for p in phases}
     int4, fp32, cpp = by["swarmd-int4"], by["swarmd-fp32"], by["llama.cpp"]
+    each = ", ".join(f"{v:.0f}" for v in int4.rss_each_mb)
+    print(
+        f"swarmd-int4 RSS MB after each reply: {each} "
+        f"(prefix_cache_tokens {args.prefix_cache_tokens})"
+    )
 
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
