@@ -261,12 +261,7 @@ class StageRuntime:
                 best_key, best = key, reuse
         if best_key is None:
             return 0, None
-        kept = self._prefixes.pop(best_key)
-        kept.cache.length = best  # later positions are overwritten as the session runs
-        kept.cache.max_length = max_length
-        self.prefix_hits += 1
-        self.prefix_reused_tokens += best
-        return best, kept.cache
+        return self._take(best_key, best, max_length)
 
     def _resume(self, module: Stage, key: str, length: int, max_length: int) -> tuple[int, Any]:
         """The cache kept under `key` by a session over the same layers, cut to `length`
@@ -276,7 +271,11 @@ class StageRuntime:
             return 0, None
         if kept.cache.length < length:
             return 0, None
-        del self._prefixes[key]
+        return self._take(key, length, max_length)
+
+    def _take(self, key: str, length: int, max_length: int) -> tuple[int, Any]:
+        """Take the kept cache `key` over for a new session, cut to `length` positions."""
+        kept = self._prefixes.pop(key)
         kept.cache.length = length  # later positions are overwritten as the session runs
         kept.cache.max_length = max_length
         self.prefix_hits += 1
@@ -404,11 +403,9 @@ class StageRuntime:
         key, tokens = session_id, session.tokens
         if session.keep_as is not None:  # a route's stage: resumed by key, by its coordinator
             key, tokens = session.keep_as, None
-            if session.cache.length < MIN_PREFIX_TOKENS:
-                return
-        elif tokens is None or len(tokens) < MIN_PREFIX_TOKENS:
-            return
-        if tokens is not None and session.cache.length != len(tokens):
+        elif tokens is None or session.cache.length != len(tokens):
+            return  # nothing a prompt could be matched against
+        if session.cache.length < MIN_PREFIX_TOKENS:
             return
         held = max(session.cache.length, int(getattr(session.cache, "capacity", 0)))
         self._prefixes.pop(key, None)

@@ -36,12 +36,9 @@ class Kept:
     route: Route
     sid: str  # the ring's session id: the stages keep its caches under it
     steps: tuple[tuple[int, ...], ...]  # every step fed, in order (what the caches hold)
+    tokens: tuple[int, ...]  # the same ids, flat: what a next prompt is matched against
     prompt_length: int  # a next turn must repeat more than this (its prompt and more)
     at: float
-
-    @property
-    def tokens(self) -> list[int]:
-        return [token for step in self.steps for token in step]
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,8 @@ class KeptConversations:
         if not steps:
             return
         fed = tuple(tuple(step) for step in steps)
-        self._entries[sid] = Kept(model_id, route, sid, fed, prompt_length, self._clock())
+        flat = tuple(token for step in fed for token in step)
+        self._entries[sid] = Kept(model_id, route, sid, fed, flat, prompt_length, self._clock())
         while len(self._entries) > self._max_entries:
             self._entries.popitem(last=False)
 
