@@ -205,7 +205,7 @@ class _SwarmJob:
 
     async def _acquire(self) -> Acquired:
         with trio.move_on_after(JOIN_TIMEOUT_S) as joining:
-            await self._presence.wait_ready()
+            await self._presence.wait_joined()
         if joining.cancelled_caught:
             raise FetchError(
                 f"Could not join the swarm within {JOIN_TIMEOUT_S:g} s to look for "

@@ -53,6 +53,7 @@ from swarmd.net.auth import load_swarm_key
 from swarmd.net.bridge import TrioBridge
 from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
+from swarmd.net.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from swarmd.net.peers import BanRow, PeerRow
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
@@ -433,11 +434,14 @@ class Node:
         return ModelSource(model_id, folder, manifest)
 
     def swarm_state(self) -> str:
-        """ "ready", or "stopped: <why>" when the swarm layer has failed."""
+        """ "ready"; "joining" while no bootstrap peer has answered (or every peer was
+        lost); "stopped: <why>" when the swarm layer has failed."""
         failure = self.swarm.failure
         if failure is not None:
             return f"stopped: {failure}"
-        return "ready" if self.bridge.running else "stopped"
+        if not self.bridge.running:
+            return "stopped"
+        return "joining" if self.swarm.joining else "ready"
 
     async def peer_snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
         try:
@@ -608,6 +612,7 @@ def _swarm_settings(config: Config) -> SwarmSettings:
         bootstrap=config.bootstrap,
         republish_interval_s=config.republish_interval_s,
         swarm_key=key,
+        known_peers_path=Path(config.data_dir).expanduser() / KNOWN_PEERS_FILE,
     )
 
 
@@ -626,6 +631,12 @@ async def serve(config: Config) -> None:
         await node.start()
         for addr in node.listen_addrs():
             print(f"swarmd: p2p listening on {addr}", flush=True)
+        if node.swarm.joining:
+            print(
+                "swarmd: joining the swarm: no bootstrap peer answers yet; "
+                "serving what this node holds and retrying",
+                flush=True,
+            )
         for held in node.held.values():
             model = held.model
             print(

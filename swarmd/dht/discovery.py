@@ -261,13 +261,14 @@ class Discovery:
 
     # --- joining ----------------------------------------------------------------------
 
-    async def bootstrap(self, multiaddrs: Sequence[str]) -> list[str]:
+    async def bootstrap(self, multiaddrs: Sequence[str], quiet: bool = False) -> list[str]:
         """Join the swarm through these full multiaddrs (/ip4/…/tcp/…/p2p/PEER_ID).
 
         Connects to each one (in order), adds it to the routing table, then looks this
         node up through them to fill the table. Returns their peer ids. An address that
-        is malformed, is this node, or cannot be reached is logged and skipped; only when
-        none works is the first DialError (or DialTimeoutError, naming it) raised.
+        is malformed, is this node, or cannot be reached is logged (at debug level when
+        `quiet`: a retry of addresses already reported) and skipped; only when none works
+        is the first DialError (or DialTimeoutError, naming it) raised.
         """
         peer_ids: list[str] = []
         failures: list[PeerError] = []
@@ -277,7 +278,12 @@ class Discovery:
                 await self.add_peer(peer_id)
             except PeerError as exc:
                 # One dead bootstrap peer is no reason to stay out of the swarm.
-                log.warning("bootstrap through %s failed: %s", safe_text(multiaddr), safe_text(exc))
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "bootstrap through %s failed: %s",
+                    safe_text(multiaddr),
+                    safe_text(exc),
+                )
                 failures.append(exc)
                 continue
             peer_ids.append(peer_id)

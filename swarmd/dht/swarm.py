@@ -2,12 +2,15 @@
 
 It owns the libp2p host, the DHT and the RPC service for as long as the node runs:
 joins through the bootstrap peers, announces a signed record per model it serves and
-renews it, pings the peers it knows to keep the peer table's RTTs fresh, and withdraws its
-records when it stops. Given `make_index`, it also keeps this node's entry in the swarm's
-model catalog (`index.py`): republished with the records, with their expiry, and
-withdrawn after them. Trio code only: the asyncio side reaches it through `TrioBridge`.
+renews it, stays in the swarm (`_stay_joined`: while no bootstrap peer answers, or once
+it has lost every peer, it retries them and the peers it met before, with backoff, and
+serves what it holds meanwhile, so start order never matters), pings the peers it
+knows to keep the peer table's RTTs fresh, and withdraws its records when it stops.
+Given `make_index`, it also keeps this node's entry in the swarm's model catalog
+(`index.py`): republished with the records, with their expiry, and withdrawn after them.
+Trio code only: the asyncio side reaches it through `TrioBridge`.
 
-No single bad event stops it: every background loop (renewal, pings, the gate) survives
+No single bad event stops it: every background loop (renewal, pings, joins, the gate) survives
 any exception of one round (counted per loop in `loop_errors`, for ``/metrics``, and
 logged without flooding), and the extra services' failure is reported the same way. In
 a private swarm the DHT is gated like every other protocol (`_serves_dht`).
@@ -19,17 +22,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
 from swarmd.dht.discovery import Discovery, open_discovery
 from swarmd.dht.index import CatalogModel, IndexRecord, ModelEntry, catalog
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import InternalError, PeerError, SwarmError
+from swarmd.errors import ConfigError, InternalError, PeerError, SwarmError
 from swarmd.net.auth import SwarmKey
 from swarmd.net.gate import SwarmGate
-from swarmd.net.host import P2PHost, open_host
+from swarmd.net.host import P2PHost, check_peer_addr, open_host
 from swarmd.net.identity import Identity
+from swarmd.net.known_peers import KnownPeers
 from swarmd.net.loop_errors import LoopErrors, first_of
 from swarmd.net.peers import PeerRow, PeerTable
 from swarmd.net.remote_addr import remote_ip, remote_ips
@@ -40,6 +45,9 @@ log = logging.getLogger(__name__)
 
 WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
 PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
+JOIN_CHECK_S = 5.0  # how often a joined node checks it still has peers (and notes them)
+JOIN_RETRY_MIN_S = 1.0  # the first retry of unreachable bootstrap peers ...
+JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met within it
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class SwarmSettings:
     bootstrap: tuple[str, ...]
     republish_interval_s: float
     swarm_key: SwarmKey | None = None  # a private swarm: only peers that prove this key
+    known_peers_path: Path | None = None  # where the peers met are remembered (data dir)
 
 
 class SwarmPresence:
@@ -76,6 +85,11 @@ class SwarmPresence:
         self._host: P2PHost | None = None
         self._discovery: Discovery | None = None
         self._ready = trio.Event()
+        self._joined = trio.Event()  # set once in the swarm (alone by design, or failed)
+        # True while bootstrap peers were given and none has answered yet (or every peer
+        # was lost since): the node serves what it holds and keeps retrying.
+        self.joining = False
+        self.known = KnownPeers(settings.known_peers_path)
         self._failure: SwarmError | None = None
         self._last_records: dict[str, NodeRecord] = {}  # by model, as announced
         self._make_index = make_index
@@ -142,6 +156,7 @@ class SwarmPresence:
                 self.addrs = host.addrs
                 try:
                     await self._join(discovery)
+                    nursery.start_soon(self._stay_joined, discovery)
                     if self._make_records is None:
                         self._ready.set()
                         await trio.sleep_forever()
@@ -192,6 +207,7 @@ class SwarmPresence:
         log.error("DIAG: swarm layer stopped: %s", safe_text(exc, 500))
         self._failure = exc
         self._ready.set()
+        self._joined.set()
 
     def _not_banned(self, peer_id: str) -> bool:
         """Neither the peer nor an address it is connected from is banned."""
@@ -237,7 +253,15 @@ class SwarmPresence:
             await self._announce()
 
     async def wait_ready(self) -> None:
+        """Until the first announcement is out (in the swarm, or still joining it)."""
         await self._ready.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    async def wait_joined(self) -> None:
+        """Until this node is in the swarm: a bootstrap peer answered (at once without
+        bootstrap peers); raises the swarm layer's failure."""
+        await self._joined.wait()
         if self._failure is not None:
             raise self._failure
 
@@ -267,13 +291,91 @@ class SwarmPresence:
         return catalog(indexes, own_peer_id=self.identity.peer_id)
 
     async def _join(self, discovery: Discovery) -> None:
-        if not self.settings.bootstrap:
+        """One try of the bootstrap peers; unreachable ones leave the node joining (the
+        first swarm node of a restart need not be up yet), a malformed one is refused."""
+        bootstrap = self.settings.bootstrap
+        if not bootstrap:
+            self._joined.set()  # the first node of a swarm: alone by design
             return
-        joined = await discovery.bootstrap(self.settings.bootstrap)
+        for multiaddr in bootstrap:
+            try:
+                check_peer_addr(multiaddr)
+            except PeerError as exc:
+                raise ConfigError(f"--bootstrap: {exc}") from exc
+        try:
+            joined = await discovery.bootstrap(bootstrap)
+        except PeerError as exc:
+            self.joining = True
+            log.warning(
+                "DIAG: swarm joining: no bootstrap peer answers (%s); serving what this "
+                "node holds and retrying them, and the peers it met before, with backoff",
+                safe_text(exc),
+            )
+            return
+        self._joined_through(joined)
+
+    def _joined_through(self, peer_ids: Sequence[str]) -> None:
         now = time.time()
-        for peer_id in joined:
+        for peer_id in peer_ids:
             self.peers.seen(peer_id, now)
-        log.info("joined the swarm through %d bootstrap peer(s)", len(joined))
+        if self.joining:
+            log.warning("DIAG: swarm joined through %d peer(s)", len(peer_ids))
+        else:
+            log.info("joined the swarm through %d bootstrap peer(s)", len(peer_ids))
+        self.joining = False
+        self._joined.set()
+
+    async def _stay_joined(self, discovery: Discovery) -> None:
+        """Retry the way in while joining or alone; otherwise note the peers met."""
+        delay = JOIN_RETRY_MIN_S
+        while True:
+            try:
+                if self.joining or not self.host.connected_peers():
+                    if await self._rejoin(discovery):
+                        delay = JOIN_RETRY_MIN_S
+                        continue
+                    await trio.sleep(delay)
+                    delay = min(delay * 2.0, JOIN_RETRY_MAX_S)
+                    continue
+                self._remember_peers()
+            except Exception as exc:  # one bad round must not end the retries
+                self.loop_errors.report("join", exc)
+            await trio.sleep(JOIN_CHECK_S)
+
+    async def _rejoin(self, discovery: Discovery) -> bool:
+        """One try of the bootstrap peers and the peers met before; True once joined."""
+        own = self.identity.peer_id
+        candidates = [
+            a
+            for a in dict.fromkeys([*self.settings.bootstrap, *self.known.addrs])
+            if not a.endswith(f"/p2p/{own}")
+        ]
+        if not candidates:
+            return False
+        if self.settings.bootstrap and not self.joining:
+            self.joining = True
+            log.warning("DIAG: swarm joining: every peer was lost; retrying the way in")
+        try:
+            joined = await discovery.bootstrap(candidates, quiet=True)
+        except PeerError as exc:
+            log.debug("no way into the swarm yet: %s", safe_text(exc))
+            return False
+        self._joined_through(joined)
+        if self._ready.is_set():
+            # The peers met now (a bootstrap node that was down, a restarted swarm) have
+            # never seen this node's records: announce them at once, not a period later.
+            try:
+                await self._announce()
+            except SwarmError as exc:
+                log.warning("announcement after joining failed: %s", safe_text(exc))
+        return True
+
+    def _remember_peers(self) -> None:
+        host = self.host
+        now = time.time()
+        for peer_id in host.connected_peers():
+            if not self.peers.is_banned(peer_id, now):
+                self.known.note(peer_id, host.peer_addrs(peer_id))
 
     async def _announce(self) -> None:
         if self._make_records is None:

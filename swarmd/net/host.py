@@ -42,7 +42,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.peer.peerstore import PeerStoreError
 from libp2p.rcmgr import ResourceLimits, ResourceManager, new_resource_manager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -141,18 +142,26 @@ class P2PHost:
     def connected_peers(self) -> list[str]:
         return [str(pid) for pid in self._host.get_connected_peers()]
 
+    def peer_addrs(self, peer_id: str) -> list[str]:
+        """The full TCP multiaddrs a peer listens on, as identify told this host (none
+        while it is unknown)."""
+        pid = libp2p_peer_id(peer_id)
+        if pid is None:
+            return []
+        try:
+            addrs = self._host.get_peerstore().addrs(pid)
+        except PeerStoreError:
+            return []
+        full = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in map(str, addrs)]
+        return [a for a in full if "/tcp/" in a and a.endswith(f"/p2p/{peer_id}")]
+
     async def connect(self, multiaddr: str, timeout_s: float | None = None) -> str:
         """Connect to a full multiaddr (with /p2p/PEER_ID); return the peer id.
 
         An explicit connect is tried even if the peer failed recently (libp2p otherwise
         refuses redials for 60 s). Noise proves the peer holds the key of that peer id.
         """
-        try:
-            info = info_from_p2p_addr(Multiaddr(multiaddr))
-        except ValueError as exc:
-            raise DialError(
-                f"'{multiaddr}' is not a multiaddr with a /p2p/ peer id: {exc}"
-            ) from exc
+        info = _peer_info(multiaddr)
         peer_id = str(info.peer_id)
         if peer_id == self.peer_id:
             raise DialError(f"'{multiaddr}' is this node itself", peer_id)
@@ -421,6 +430,18 @@ def _check_can_listen(host_ip: str, port: int) -> None:
                     "choose another with --p2p-port (0 picks a free one)"
                 ) from exc
             raise ConfigError(f"cannot listen on {host_ip}:{port}: {exc}") from exc
+
+
+def check_peer_addr(multiaddr: str) -> str:
+    """The peer id of a full multiaddr (/ip4/…/tcp/…/p2p/PEER_ID); DialError otherwise."""
+    return str(_peer_info(multiaddr).peer_id)
+
+
+def _peer_info(multiaddr: str) -> PeerInfo:
+    try:
+        return info_from_p2p_addr(Multiaddr(multiaddr))
+    except ValueError as exc:
+        raise DialError(f"'{multiaddr}' is not a multiaddr with a /p2p/ peer id: {exc}") from exc
 
 
 def libp2p_peer_id(peer_id: str) -> ID | None:

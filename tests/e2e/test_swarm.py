@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from swarmd.net.identity import load_or_create_identity
 from tests.conftest import NodeProcess, http_json, start_node, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -174,3 +177,49 @@ def test_a_private_swarm_keeps_out_other_keys(
     assert stranger_id not in found and open_id not in found
     assert str(first.health()["peer_id"]) not in holders(stranger)
     assert "DIAG: peer refused" in first.log_text()
+
+
+def test_three_nodes_started_in_reverse_order_form_the_swarm_and_route(
+    nodes: list[NodeProcess], test_cache_dir: Path, tmp_path: Path, smollm_dir: Path
+) -> None:
+    """The bootstrap node comes up last: the other two serve (joining) meanwhile, then
+    join it by themselves; a request at either holder of layers 0:15 routes through the
+    holder of 15:30, which each knows only through the bootstrap node."""
+    boot_data = tmp_path / "boot" / "data"
+    boot_id = load_or_create_identity(boot_data).peer_id  # its address, known beforehand
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        boot_port = sock.getsockname()[1]
+    boot_addr = f"/ip4/127.0.0.1/tcp/{boot_port}/p2p/{boot_id}"
+    cache = ["--cache-dir", str(test_cache_dir), "--bootstrap", boot_addr]
+
+    last = launch_node(nodes, tmp_path, "last", "--layers", "15:30", *cache)
+    first = launch_node(nodes, tmp_path, "first", "--layers", "0:15", *cache)
+    for holder in (last, first):
+        health = holder.health()
+        assert health["swarm"] == "joining" and health["status"] == "degraded", health
+        assert any(ln.startswith("swarmd: joining the swarm") for ln in holder.stdout_lines)
+
+    boot_args = ["--port", "0", "--p2p-port", str(boot_port), "--data-dir", str(boot_data)]
+    boot_args += ["--cache-dir", str(test_cache_dir), "--layers", "0:15"]
+    boot = start_node(boot_args, tmp_path / "boot")
+    nodes.append(boot)
+    booted = time.monotonic()
+    assert boot.p2p_addrs == [boot_addr]
+
+    def routes(node: NodeProcess) -> bool:
+        status, _, headers = http_json(
+            node.url + "/v1/chat/completions",
+            {
+                "model": first.model_id,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+            },
+        )
+        lowered = {k.lower(): v for k, v in headers.items()}
+        return status == 200 and len(lowered.get("x-swarm-nodes", "").split(",")) == 2
+
+    assert wait_until(lambda: routes(boot) and routes(first), 60.0, interval_s=1.0)
+    assert time.monotonic() - booted < 60.0
+    for node in (first, last, boot):
+        assert node.health()["swarm"] == "ready"
