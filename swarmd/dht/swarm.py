@@ -355,8 +355,11 @@ class SwarmPresence:
         if self.settings.bootstrap and not self.joining:
             self.joining = True
             log.warning("DIAG: swarm joining: every peer was lost; retrying the way in")
+        reached = await self._reachable(candidates)
+        if not reached:
+            return False
         try:
-            joined = await discovery.bootstrap(candidates, quiet=True)
+            joined = await discovery.bootstrap(reached, quiet=True)
         except PeerError as exc:
             log.debug("no way into the swarm yet: %s", safe_text(exc))
             return False
@@ -369,6 +372,25 @@ class SwarmPresence:
             except SwarmError as exc:
                 log.warning("announcement after joining failed: %s", safe_text(exc))
         return True
+
+    async def _reachable(self, candidates: Sequence[str]) -> list[str]:
+        """The candidates that take a connection, dialed all at once: a remembered peer
+        that is gone for good (a black hole costs the whole connect timeout) must not
+        hold up the one that is back."""
+        reached: list[str] = []
+
+        async def dial(multiaddr: str) -> None:
+            try:
+                await self.host.connect(multiaddr)
+            except PeerError as exc:
+                log.debug("rejoining through %s failed: %s", multiaddr, safe_text(exc))
+                return
+            reached.append(multiaddr)
+
+        async with trio.open_nursery() as nursery:
+            for multiaddr in candidates:
+                nursery.start_soon(dial, multiaddr)
+        return reached
 
     def _remember_peers(self) -> None:
         host = self.host
