@@ -266,12 +266,24 @@ class StageRuntime:
     def _resume(self, module: Stage, key: str, length: int, max_length: int) -> tuple[int, Any]:
         """The cache kept under `key` by a session over the same layers, cut to `length`
         positions; (0, None) when it is gone (evicted, or never kept here) or shorter."""
+        if key not in self._prefixes:
+            self._end_keeper(key)
         kept = self._prefixes.get(key)
         if kept is None or kept.module is not module or not 0 < length < max_length:
             return 0, None
         if kept.cache.length < length:
             return 0, None
         return self._take(key, length, max_length)
+
+    def _end_keeper(self, key: str) -> None:
+        """Close the session still open to keep its cache under `key`, if any. Its
+        coordinator resumes only a turn it has finished, so that session is done: its
+        close is on another stream and may come after this open (a next turn sent at
+        once), and must not make the resume miss."""
+        for session_id, session in list(self._sessions.items()):
+            if session.keep_as == key:
+                self.close(session_id)  # the late close then finds nothing to do
+                return
 
     def _take(self, key: str, length: int, max_length: int) -> tuple[int, Any]:
         """Take the kept cache `key` over for a new session, cut to `length` positions."""

@@ -374,6 +374,18 @@ def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path:
     assert again[0].open("e.1", 96, None, resume=("coord/c.1", 5), layers=LayerRange(0, 1)) == 0
     assert again[0].open("g.1", 96, None, resume=("coord/c.1", 5)) == 5
     assert again[0].open("h.1", 96, None, resume=("coord/c.1", 5)) == 0
+    # The next turn's open may come before the last turn's close (they travel on two
+    # streams): the session keeping the cache is ended then, and its close comes to nothing.
+    early = two_stages()
+    for stage in early:
+        stage.open("p.1", 96, None, keep_as="coord/p.1")
+    hidden = early[0].step("p.1", torch.tensor([turn1]), False).hidden
+    early[1].step("p.1", hidden, False)
+    for stage in early:
+        assert stage.open("q.1", 96, None, resume=("coord/p.1", 7)) == 7
+        assert stage.session_count == 1
+        stage.close("p.1")
+        assert stage.session_count == 1 and stage.prefix_held_tokens == 0
 
 
 def test_two_conversations_continue_at_once_each_from_its_own_cache(tmp_path: Path) -> None:
