@@ -361,13 +361,19 @@ def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path:
         stage.open("f.1", 96, greedy if i else None)
     assert run(fresh, "f.1", turn2) == got
     assert all(stage.prefix_hits == 1 and stage.prefix_held_tokens == 0 for stage in kept)
+
     # Taken once: a second resume of the same key finds nothing; nor does one of more
     # positions than were kept, nor one over other layers.
-    again = two_stages()
-    for stage in again:
-        stage.open("c.1", 96, None, keep_as="coord/c.1")
-    hidden = again[0].step("c.1", torch.tensor([turn1]), False).hidden
-    again[1].step("c.1", hidden, False)
+    def keeping(sid: str) -> tuple[StageRuntime, StageRuntime]:
+        """Two fresh stages with session `sid` open to be kept, turn 1 prefilled."""
+        stages = two_stages()
+        for stage in stages:
+            stage.open(sid, 96, None, keep_as=f"coord/{sid}")
+        hidden = stages[0].step(sid, torch.tensor([turn1]), False).hidden
+        stages[1].step(sid, hidden, False)
+        return stages
+
+    again = keeping("c.1")
     for stage in again:
         stage.close("c.1")
     assert again[0].open("d.1", 96, None, resume=("coord/c.1", len(turn1) + 1)) == 0
@@ -376,12 +382,7 @@ def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path:
     assert again[0].open("h.1", 96, None, resume=("coord/c.1", 5)) == 0
     # The next turn's open may come before the last turn's close (they travel on two
     # streams): the session keeping the cache is ended then, and its close comes to nothing.
-    early = two_stages()
-    for stage in early:
-        stage.open("p.1", 96, None, keep_as="coord/p.1")
-    hidden = early[0].step("p.1", torch.tensor([turn1]), False).hidden
-    early[1].step("p.1", hidden, False)
-    for stage in early:
+    for stage in keeping("p.1"):
         assert stage.open("q.1", 96, None, resume=("coord/p.1", 7)) == 7
         assert stage.session_count == 1
         stage.close("p.1")

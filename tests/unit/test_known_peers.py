@@ -62,7 +62,8 @@ def test_a_damaged_file_is_ignored_and_written_anew(tmp_path: Path, text: str) -
     assert KnownPeers(path).addrs == [addr("A")]
 
 
-def test_without_a_path_nothing_is_written(tmp_path: Path) -> None:
+def test_without_a_path_nothing_is_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # where a file of no path, or a relative one, would land
     known = KnownPeers(None)
     known.note("A", [addr("A")])
     assert known.addrs == [addr("A")] and list(tmp_path.iterdir()) == []
