@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 
 SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
 MAX_COMMON_BYTES = 64 * 10**6  # tokenizer, templates, config of a model coordinated here
-HOLDERS_CACHE_S = 2.0  # how long a DHT lookup answers /v1/models and /api/peers
+MODELS_CACHE_S = 2.0  # how long a catalog lookup answers /v1/models
 
 T = TypeVar("T")
 
@@ -150,6 +150,7 @@ class Node:
             self._run_services,
             make_index=self._make_index,
         )
+        self.swarm.view.pinned.update(self.held)  # its own models' holders are always current
         self._stage_service: StageService | None = None
         self.file_servers: FileServers | None = None
         # A peer's forwarded request runs through this node's own API (api/forward.py).
@@ -158,7 +159,6 @@ class Node:
         self.started_at = time.monotonic()
         self.started_wall = time.time()
         self.api_url = ""
-        self._holders_cache: dict[str, tuple[float, list[NodeRecord]]] = {}
         self._models_cache: tuple[float, list[CatalogModel]] | None = None
         # The models of the swarm this node coordinates without holding layers of them.
         self._common: dict[str, CommonModel] = {}
@@ -321,20 +321,20 @@ class Node:
         )
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
-        """Every live holder of a model, this node included, from the DHT.
+        """Every live holder of a model, this node included, as the swarm's background
+        view has them (`dht.view`): only a model's first read walks the DHT."""
+        view = self.swarm.view
+        records = view.read(model_id)
+        if records is None:
+            records = await self.bridge.run(view.fetch, model_id)
+        return self._same_variant(model_id, records)
 
-        Cached for HOLDERS_CACHE_S: every /v1/models and /api/peers request would
-        otherwise walk the DHT.
-        """
-        cached = self._holders_cache.get(model_id)
-        if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
-            return cached[1]
-        records = await self.bridge.run(self.swarm.holders, model_id)
-        # Only holders of the same weights, split the same way (the same manifest, or
-        # none on both sides), held in the same format and computed in the same dtype: a
-        # hidden state means nothing to other weights, and a reply stays the one a
-        # single node of this kind gives. A model this node coordinates without layers:
-        # the variant it chose (all of them until it has).
+    def _same_variant(self, model_id: str, records: list[NodeRecord]) -> list[NodeRecord]:
+        """The holders a route of this node may use: only those of the same weights, split
+        the same way (the same manifest, or none on both sides), held in the same format
+        and computed in the same dtype. A hidden state means nothing to other weights, and
+        a reply stays the one a single node of this kind gives. For a model this node
+        coordinates without layers: the variant it chose (all of them until it has)."""
         held = self.held.get(model_id)
         if held is not None:
             model = held.model
@@ -350,7 +350,6 @@ class Node:
                 and r.weights == variant.weights
                 and r.dtype == variant.dtype_name
             ]
-        self._holders_cache[model_id] = (time.monotonic(), records)
         return records
 
     def coordinated_models(self) -> list[CommonModel]:
@@ -382,8 +381,7 @@ class Node:
                 variant.weights,
                 variant.dtype_name,
             )
-            self._common[model_id] = model
-            self._holders_cache.pop(model_id, None)  # from now on, filtered by the variant
+            self._common[model_id] = model  # from now on, holders are filtered by its variant
             return model
 
     async def _load_common(
@@ -470,12 +468,17 @@ class Node:
     def rtt_ms(self) -> dict[str, float]:
         return {r.peer_id: r.rtt_ms for r in self.swarm.peers.snapshot() if r.rtt_ms is not None}
 
+    def layer_ms(self) -> dict[str, float]:
+        return self.swarm.peers.layer_ms(time.time())
+
+    def measured(self, peer_id: str, layer_ms: float) -> None:
+        self.swarm.peers.record_layer_ms(peer_id, layer_ms, time.time())
+
     def banned(self) -> set[str]:
         return {row.peer_id for row in self.swarm.peers.bans(time.time())}
 
     async def ban(self, peer_id: str, reason: str) -> None:
         await self.bridge.run(self.swarm.ban, peer_id, reason)
-        self._holders_cache.clear()
 
     async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self.bridge.run(fn, *args)
@@ -541,12 +544,12 @@ class Node:
         """Trio side: the addresses `peer_id`'s signed record lists (None: no live record),
         for any model held here (a next hop serves the session's model, one of these):
         from the last lookups, or, `fresh`, from new ones (DHT walks)."""
+        view = self.swarm.view
         for model_id in self.held:
             if fresh:
-                records = await self.swarm.holders(model_id)
+                records = await view.lookup_now(model_id)
             else:
-                cached = self._holders_cache.get(model_id)
-                records = cached[1] if cached is not None else []
+                records = view.read(model_id) or []
             for record in records:
                 if record.peer_id == peer_id:
                     return frozenset(record.addrs)
@@ -559,7 +562,7 @@ class Node:
     async def swarm_models(self) -> list[CatalogModel]:
         """The models the swarm's nodes list (this node's first), cached like holders."""
         cached = self._models_cache
-        if cached is not None and time.monotonic() - cached[0] < HOLDERS_CACHE_S:
+        if cached is not None and time.monotonic() - cached[0] < MODELS_CACHE_S:
             return cached[1]
         models = await self.bridge.run(self.swarm.models)
         self._models_cache = (time.monotonic(), models)

@@ -187,6 +187,8 @@ async def peers(request: web.Request) -> web.Response:
                 "short_id": peer_id[-8:],
                 "connected": peer_id in connected,
                 "rtt_ms": None if row is None else row.rtt_ms,
+                # What route planning uses for this peer's compute (None: its record's claim).
+                "layer_ms": None if row is None else row.layer_ms,
                 "last_seen_s": None
                 if row is None or row.last_seen is None
                 else round(now - row.last_seen, 1),

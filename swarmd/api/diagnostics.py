@@ -209,11 +209,14 @@ def _section_peers(
     own = node.identity.peer_id
     ids = sorted((connected | set(known) | set(by_peer)) - {own})
     lines = [f"== Peers ({len(ids)} known, {len(connected)} connected)"]
-    rows = [["peer", "connected", "rtt ms", "last seen", "serves", "failures", "addresses"]]
+    header = ["peer", "connected", "rtt ms", "ms/layer", "last seen", "serves", "failures"]
+    rows = [[*header, "addresses"]]
     for peer_id in ids:
         row = known.get(peer_id)
         records = by_peer.get(peer_id, [])
         rtt = "-" if row is None or row.rtt_ms is None else f"{row.rtt_ms:.1f}"
+        # Measured from the decode steps this node's routes ran there (the planner's cost).
+        layer = "-" if row is None or row.layer_ms is None else f"{row.layer_ms:.2f}"
         seen = "-" if row is None or row.last_seen is None else f"{now - row.last_seen:.0f} s ago"
         serves = "; ".join(f"{r.model_id} {r.layers} ({r.state})" for r in records) or "-"
         failures = "0" if row is None else str(row.failures)
@@ -224,6 +227,7 @@ def _section_peers(
                 peer_id[-8:],
                 "yes" if peer_id in connected else "no",
                 rtt,
+                layer,
                 seen,
                 serves,
                 failures,

@@ -29,6 +29,7 @@ import trio
 from swarmd.dht.discovery import Discovery, open_discovery
 from swarmd.dht.index import CatalogModel, IndexRecord, ModelEntry, catalog
 from swarmd.dht.records import NodeRecord
+from swarmd.dht.view import HoldersView
 from swarmd.errors import ConfigError, InternalError, PeerError, SwarmError
 from swarmd.net.auth import SwarmKey
 from swarmd.net.gate import SwarmGate
@@ -97,6 +98,9 @@ class SwarmPresence:
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
         self._gate: SwarmGate | None = None
         self._rpc: RpcService | None = None
+        # The holders of the models this node routes, refreshed in the background: a
+        # route is planned from it without walking the DHT.
+        self.view = HoldersView(self.holders)
 
     @property
     def host(self) -> P2PHost:
@@ -157,6 +161,7 @@ class SwarmPresence:
                 try:
                     await self._join(discovery)
                     nursery.start_soon(self._stay_joined, discovery)
+                    nursery.start_soon(self.view.run, self.loop_errors.report)
                     if self._make_records is None:
                         self._ready.set()
                         await trio.sleep_forever()
@@ -244,6 +249,7 @@ class SwarmPresence:
             until - time.time(),
             safe_text(reason),
         )
+        self.view.refresh_soon()  # a route may need another holder of its range now
         if self._host is not None:
             await self._host.disconnect(peer_id)
 

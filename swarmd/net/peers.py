@@ -15,6 +15,12 @@ window. Throughput is an
 exponentially weighted moving average: the first sample is taken as is, each later one
 moves the estimate by ``alpha`` of the difference.
 
+A peer's compute speed, milliseconds per layer for one token, is such an average too
+(``layer_alpha``), of the decode steps this node's routes ran through it. It is what route
+planning uses for that peer instead of the throughput its record claims, for
+``layer_ms_ttl_s`` after the last sample: a peer measured slow (maybe only busy) is
+avoided, and after that long it is judged by its record again and measured anew.
+
 Bans grow with repeat offences and are forgotten with good behaviour (`BanPolicy`):
 
 - the n-th offence bans for ``min(base_s * 2 ** (n - 1), max_s)``: 30 s, 60 s, 120 s ...
@@ -70,6 +76,8 @@ class PeerRow:
     last_seen: float | None  # unix seconds
     throughput_bps: float | None  # EWMA of transfer rates, bytes/s
     failures: int  # failed calls since the peer entered the table
+    layer_ms: float | None = None  # EWMA of its measured ms per layer per token
+    layer_ms_at: float | None = None  # unix seconds of the last such sample
 
 
 @dataclass(frozen=True)
@@ -82,9 +90,19 @@ class BanRow:
 
 
 class _Peer:
-    __slots__ = ("addrs", "failures", "last_seen", "rtts", "throughput_bps")
+    __slots__ = (
+        "addrs",
+        "failures",
+        "last_seen",
+        "layer_ms",
+        "layer_ms_at",
+        "rtts",
+        "throughput_bps",
+    )
 
     def __init__(self, rtt_window: int) -> None:
+        self.layer_ms: float | None = None
+        self.layer_ms_at: float | None = None
         self.addrs: tuple[str, ...] = ()
         self.rtts: deque[float] = deque(maxlen=rtt_window)
         self.last_seen: float | None = None
@@ -136,18 +154,24 @@ class PeerTable:
         *,
         rtt_window: int = 8,
         throughput_alpha: float = 0.25,
+        layer_alpha: float = 0.2,
+        layer_ms_ttl_s: float = 600.0,
         ban_policy: BanPolicy | None = None,
         max_peers: int = 4096,
         max_bans: int = 4096,
     ) -> None:
         if not 0 < throughput_alpha <= 1:
             raise ValueError(f"throughput_alpha must be in (0, 1], got {throughput_alpha}")
+        if not 0 < layer_alpha <= 1:
+            raise ValueError(f"layer_alpha must be in (0, 1], got {layer_alpha}")
         if rtt_window < 1:
             raise ValueError(f"rtt_window must be at least 1, got {rtt_window}")
         if max_peers < 1 or max_bans < 1:
             raise ValueError("max_peers and max_bans must be at least 1")
         self._rtt_window = rtt_window
         self._throughput_alpha = throughput_alpha
+        self._layer_alpha = layer_alpha
+        self._layer_ms_ttl_s = layer_ms_ttl_s
         self._policy = ban_policy or BanPolicy()
         self._max_peers = max_peers
         self._max_bans = max_bans
@@ -195,6 +219,23 @@ class PeerTable:
         peer = self._peers[peer_id]
         peer.throughput_bps = _ewma(peer.throughput_bps, size / duration, self._throughput_alpha)
 
+    def record_layer_ms(self, peer_id: str, ms: float, now: float) -> None:
+        """A decode step ran through the peer at `ms` milliseconds per layer."""
+        sample = _check_sample("ms", ms)
+        peer = self._peer(peer_id)
+        peer.layer_ms = _ewma(peer.layer_ms, sample, self._layer_alpha)
+        peer.layer_ms_at = now
+
+    def layer_ms(self, now: float) -> dict[str, float]:
+        """Each peer's measured ms per layer, for those sampled within `layer_ms_ttl_s`."""
+        return {
+            peer_id: peer.layer_ms
+            for peer_id, peer in self._peers.items()
+            if peer.layer_ms is not None
+            and peer.layer_ms_at is not None
+            and now - peer.layer_ms_at <= self._layer_ms_ttl_s
+        }
+
     def record_failure(self, peer_id: str) -> int:
         """A call to the peer failed; returns its failure count."""
         peer = self._peer(peer_id)
@@ -222,6 +263,8 @@ class PeerTable:
             last_seen=peer.last_seen,
             throughput_bps=peer.throughput_bps,
             failures=peer.failures,
+            layer_ms=peer.layer_ms,
+            layer_ms_at=peer.layer_ms_at,
         )
 
     def __len__(self) -> int:

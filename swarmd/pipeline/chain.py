@@ -7,6 +7,7 @@ and runs routes with these types.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,12 @@ class StageChain(Protocol):
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
         """Feed tokens; the next token (and its logprobs, if asked) when `want_token`."""
+        ...
+
+    async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
+        """Feed the prompt's chunks (`before_each()` runs before each, and may raise to
+        stop); the token after the last. A route of several stages keeps several chunks
+        in flight, one behind the other."""
         ...
 
     async def close(self) -> None: ...

@@ -63,6 +63,14 @@ class SwarmAccess(Protocol):
 
     def rtt_ms(self) -> dict[str, float]: ...
 
+    def layer_ms(self) -> dict[str, float]:
+        """Measured milliseconds per layer per token, by peer (fresh samples only)."""
+        ...
+
+    def measured(self, peer_id: str, layer_ms: float) -> None:
+        """A decode step ran through `peer_id` at `layer_ms` milliseconds per layer."""
+        ...
+
     def banned(self) -> set[str]: ...
 
     def listen_addrs(self) -> list[str]: ...
@@ -99,6 +107,7 @@ async def plan(
         access.peer_id,
         records,
         rtt_ms=access.rtt_ms(),
+        layer_ms=access.layer_ms(),
         banned=access.banned(),
         need_tokens=need_tokens,
     )
@@ -187,11 +196,18 @@ class DistributedChain:
         # `share` is a one-node route's: stages of a ring hold no copyable caches (yet).
         self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
         self._prompt_length = len(prompt)
-        await self._with_failover(None, False)
+        await self._run([], False, _go_on)
         return self._reused  # positions of a kept conversation every stage took over
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:
-        return await self._with_failover(token_ids, want_token)
+        return await self._run([token_ids], want_token, _go_on)
+
+    async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
+        """The prompt's chunks, pipelined: up to one chunk per stage in flight."""
+        token = await self._run(chunks, True, before_each)
+        if token is None:
+            raise InternalError("prefill produced no token")
+        return token
 
     async def close(self) -> None:
         """End the session; its stages keep their caches, and this node remembers what
@@ -224,36 +240,65 @@ class DistributedChain:
 
     # --- the failover loop ---------------------------------------------------------------
 
-    async def _with_failover(self, token_ids: list[int] | None, want: bool) -> Sampled | None:
+    def _window(self) -> int:
+        """Steps in flight on the ring: one per stage keeps every stage busy."""
+        return len(self.route.stages)
+
+    async def _run(
+        self, steps: list[list[int]], want_last: bool, before_each: Callable[[], None]
+    ) -> Sampled | None:
+        """Feed `steps` on the ring (built first if need be), failing over as often as
+        allowed; the token the last one drew when `want_last`. A failover resumes with the
+        first step the lost ring did not answer."""
+        done = 0
+        drawn: Sampled | None = None
+        ring: Ring | None = None
+
+        def replied(reply: wire.TokenReply) -> None:
+            nonlocal done, drawn
+            self._account(reply)
+            if len(steps[done]) == 1 and ring is not None:
+                self._measure(reply, ring.round_trip_s)
+            if not self._vouched:  # every peer of the ring carried this step
+                self._false_reports.served(self.route.peers)
+                self._vouched = True
+            self._steps.append(list(steps[done]))
+            done += 1
+            if reply.token is not None:
+                self._reply.append(reply.token)
+                drawn = Sampled(reply.token, reply.logprobs)
+
         while True:
             try:
                 if self._ring is None:
                     await self._build_ring()
-                if token_ids is None:
-                    return None
-                token = await self._step(token_ids, want)
-                if not self._vouched:  # every peer of the ring carried this step
-                    self._false_reports.served(self.route.peers)
-                    self._vouched = True
-                self._steps.append(list(token_ids))
-                if token is not None:
-                    self._reply.append(token.token)
-                return token
+                ring = self._ring
+                if ring is None:
+                    raise InternalError("no ring")
+                last = len(steps) - 1
+                todo = [(ids, want_last and i == last, False) for i, ids in enumerate(steps)]
+                window = self._window()
+                await self._access.in_trio(ring.steps, todo[done:], window, before_each, replied)
+                return drawn
             except (StageFailedError, BaseExceptionGroup) as caught:
                 exc = first_of(caught, StageFailedError)
                 if exc is None:
                     raise
                 await self._fail_over(exc)
 
-    async def _step(self, token_ids: list[int], want: bool, alone: bool = False) -> Sampled | None:
-        ring = self._ring
-        if ring is None:
-            raise InternalError("no ring")
-        reply = await self._access.in_trio(ring.step, token_ids, want, alone)
+    def _measure(self, reply: wire.TokenReply, round_trip_s: float) -> None:
+        """Each remote stage's ms per layer in a one-token step, for route planning. A
+        stage reports its own compute time; no report may exceed the step's whole round
+        trip, which this node timed itself."""
+        limit_ms = round_trip_s * 1000.0
+        for stage, stage_ms in zip(self.route.stages, reply.stage_ms, strict=False):
+            if not stage.local:
+                self._access.measured(stage.peer_id, min(stage_ms, limit_ms) / stage.layers.size)
+
+    def _account(self, reply: wire.TokenReply) -> None:
         for i, stage_ms in enumerate(reply.stage_ms[: len(self._stage_s)]):
             self._stage_s[i] += stage_ms / 1000.0
         self._activation_bytes += reply.activation_bytes
-        return None if reply.token is None else Sampled(reply.token, reply.logprobs)
 
     async def _build_ring(self) -> None:
         """Open a ring on the current route and replay what the last one had been fed."""
@@ -297,8 +342,9 @@ class DistributedChain:
             await self._build_ring()
             return
         chunk = min(self._settings.chunk_tokens, bounds.MAX_STEP_TOKENS)
-        for tokens, alone in replay_steps(self._steps, chunk):
-            await self._step(tokens, False, alone)
+        replay = [(ids, False, alone) for ids, alone in replay_steps(self._steps, chunk)]
+        if replay:
+            await self._access.in_trio(ring.steps, replay, self._window(), _go_on, self._account)
 
     async def _fail_over(self, exc: StageFailedError) -> None:
         await self._drop_ring()
@@ -347,6 +393,7 @@ class DistributedChain:
                 peer,
                 self._records,
                 rtt_ms=self._access.rtt_ms(),
+                layer_ms=self._access.layer_ms(),
                 banned=banned,
                 need_tokens=self._need_tokens,
             )
@@ -356,6 +403,7 @@ class DistributedChain:
             self._access.peer_id,
             self._records,
             rtt_ms=self._access.rtt_ms(),
+            layer_ms=self._access.layer_ms(),
             banned=banned,
             need_tokens=self._need_tokens,
         )
@@ -382,6 +430,10 @@ class DistributedChain:
         elif peer is not None:
             await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
         return peer is not None
+
+
+def _go_on() -> None:
+    """Nothing to check before a step (`DistributedChain._run`)."""
 
 
 def replay_steps(steps: list[list[int]], chunk: int) -> list[tuple[list[int], bool]]:

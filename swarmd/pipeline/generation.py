@@ -137,15 +137,14 @@ class Generation:
 
     async def _prefill(self) -> Sampled:
         prompt = self.request.prompt_ids
-        token: Sampled | None = None
         # The cached start of the prompt (a previous turn's) is already in the caches.
-        for start in range(self.cached_tokens, len(prompt), self._chunk):
-            self._stop_if_client_gone()
-            chunk = prompt[start : start + self._chunk]  # [<= chunk]
-            token = await self.chain.step(chunk, want_token=start + self._chunk >= len(prompt))
-        if token is None:
+        chunks = [
+            prompt[start : start + self._chunk]  # [<= chunk]
+            for start in range(self.cached_tokens, len(prompt), self._chunk)
+        ]
+        if not chunks:
             raise InternalError("prefill produced no token")
-        return token
+        return await self.chain.prefill(chunks, self._stop_if_client_gone)
 
     async def _decode_one_token(self, token: int) -> Sampled:
         self._stop_if_client_gone()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from swarmd.errors import InternalError
@@ -48,6 +50,15 @@ class LocalChain:
         result = await self._worker.run(StepJob(session_id, inputs, want_token), self._timeout_s)
         self._compute_s += result.compute_s
         return None if result.token is None else Sampled(result.token, result.logprobs)
+
+    async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
+        token: Sampled | None = None
+        for i, chunk in enumerate(chunks):
+            before_each()
+            token = await self.step(chunk, want_token=i == len(chunks) - 1)
+        if token is None:
+            raise InternalError("prefill produced no token")
+        return token
 
     async def close(self) -> None:
         session_id, self._session_id = self._session_id, None

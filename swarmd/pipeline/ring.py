@@ -2,7 +2,9 @@
 
 `open` dials stage 0 (or this node's own stage service through a local link), sends the
 `open` frame that travels down the route, and waits for the last stage's return stream.
-`step` sends token ids to stage 0 and waits for the token that comes back round the ring.
+`step` sends token ids to stage 0 and waits for the token that comes back round the ring;
+`steps` keeps several steps in flight (a prompt's chunks flow through the stages one
+behind the other: pipelined prefill).
 Two reader tasks turn what arrives (tokens on the return stream, failure reports from
 either end, a link going away) into events; a failure becomes `StageFailedError` naming
 the stage to blame, on this node's own evidence only:
@@ -33,8 +35,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import trio
 
@@ -59,6 +64,8 @@ if TYPE_CHECKING:
     from swarmd.pipeline.stage_service import StageService
 
 log = logging.getLogger(__name__)
+
+Step: TypeAlias = tuple[list[int], bool, bool]  # token ids, want a token, attend `alone`
 
 REPORT_GRACE_S = 0.5  # after the return stream breaks, how long to wait for a report
 PROBE_TIMEOUT_S = 2.0  # a stage that does not answer a ping this fast is to blame
@@ -93,7 +100,10 @@ class Ring:
         self._tx, self._rx = trio.open_memory_channel[_Event](math.inf)
         self._up: Link | None = None
         self._ret: Link | None = None
-        self._n = 0
+        self._n = 0  # steps answered
+        self._sent = 0  # steps sent
+        self._sent_at: deque[float] = deque()  # when each step in flight went out
+        self.round_trip_s = 0.0  # the last answered step's, from its sending to its answer
         self._closed = False
         self.reused = 0  # positions every stage resumed from a kept conversation (open)
 
@@ -125,18 +135,50 @@ class Ring:
             raise await self._blame_silence(why)
 
     async def step(self, token_ids: list[int], want: bool, alone: bool = False) -> wire.TokenReply:
+        """One step round the ring: its token ids sent, its answer back."""
+        await self._send_step(token_ids, want, alone)
+        return await self._receive(want)
+
+    async def steps(
+        self,
+        steps: Sequence[Step],
+        window: int,
+        before_send: Callable[[], None],
+        replied: Callable[[wire.TokenReply], None],
+    ) -> None:
+        """Several steps (a prompt's chunks, a replay) with up to `window` of them in
+        flight: while stage k runs step i, stage k + 1 runs step i - 1, so the links'
+        latency is paid about once rather than per step. `before_send()` runs before each
+        step goes out (it may raise to stop); `replied(answer)` takes each answer, in order.
+        A failure raises as `step` does; the steps answered before it were `replied`."""
+        sent = answered = 0
+        while answered < len(steps):
+            while sent < len(steps) and sent - answered < max(1, window):
+                before_send()
+                token_ids, want, alone = steps[sent]
+                await self._send_step(token_ids, want, alone)
+                sent += 1
+            replied(await self._receive(steps[answered][1]))
+            answered += 1
+
+    async def _send_step(self, token_ids: list[int], want: bool, alone: bool) -> None:
         if self._up is None or self._ret is None:
             raise InternalError("step() on a ring that is not open")
-        n = self._n
         try:
             # The ids as a list: a coordinator that holds no layers builds no tensor.
-            await self._up.send(wire.step_frame(n, want, list(token_ids), [], 0, alone))
+            await self._up.send(wire.step_frame(self._sent, want, list(token_ids), [], 0, alone))
         except PeerError as exc:
             # Stage 0 may have closed its link after reporting a stage behind it: that
             # report, not stage 0, says who failed.
             first = self._req.route[0].peer_id
             lost = StageFailedError(f"stage {first[-8:]} lost: {exc}", first, "lost")
             raise await self._report_or(lost) from exc
+        self._sent += 1
+        self._sent_at.append(time.perf_counter())
+
+    async def _receive(self, want: bool) -> wire.TokenReply:
+        """The answer to the oldest step in flight."""
+        n = self._n
         with trio.move_on_after(self._timeouts.step_s):
             event = await self._rx.receive()
             if event.source == "ret" and event.frame is not None:
@@ -147,6 +189,7 @@ class Ring:
                     except MalformedFrameError as exc:
                         raise self._bad(self._req.route[-1].peer_id, str(exc)) from exc
                     self._n += 1
+                    self.round_trip_s = time.perf_counter() - self._sent_at.popleft()
                     return reply
             raise await self._failure(event)
         raise await self._blame_silence(f"no token within {self._timeouts.step_s:g} s")

@@ -7,8 +7,11 @@ out a failed stage and re-routes only its range (STYLE habit 8). Both raise
 
 Inputs are `Candidate`s (or `NodeRecord`s, turned into candidates here): a peer, the
 layers ``[start, end)`` it holds, its seconds per layer per token and its free KV
-tokens. A holder is skipped when banned or when its free KV tokens are below what the
-session needs; a record is skipped unless it is ``ready`` and of this model.
+tokens. A peer's cost per layer is what this node measured of it (`layer_ms`, from the
+decode steps its routes ran there) when it has measured it; a record's self-reported
+throughput is only the prior for a peer never used. A holder is skipped when banned or
+when its free KV tokens are below what the session needs; a record is skipped unless it
+is ``ready`` and of this model.
 
 Cost model, estimated seconds per token::
 
@@ -179,19 +182,29 @@ def plan_route(
     candidates: Iterable[Candidate | NodeRecord],
     *,
     rtt_ms: Mapping[str, float] | None = None,
+    layer_ms: Mapping[str, float] | None = None,
     banned: Collection[str] = (),
     need_tokens: int = 0,
     config: RouteConfig = RouteConfig(),
 ) -> Route:
     """The cheapest route over every layer; NoRouteError names the layers nobody serves.
 
-    `rtt_ms` maps peer ids to measured round trips (missing: `config.default_rtt_ms`);
+    `rtt_ms` maps peer ids to measured round trips (missing: `config.default_rtt_ms`),
+    `layer_ms` to measured milliseconds per layer per token (missing: the record's);
     `banned` peers and holders with fewer than `need_tokens` free KV tokens are skipped.
     """
     if num_layers < 1:
         raise ValueError(f"a model has at least one layer, got {num_layers}")
     planner = _Planner(
-        model_id, num_layers, local_peer_id, candidates, rtt_ms, banned, need_tokens, config
+        model_id,
+        num_layers,
+        local_peer_id,
+        candidates,
+        rtt_ms,
+        layer_ms,
+        banned,
+        need_tokens,
+        config,
     )
     picks = planner.search(0, num_layers, frozenset())
     if picks is None:
@@ -205,6 +218,7 @@ def replan(
     candidates: Iterable[Candidate | NodeRecord],
     *,
     rtt_ms: Mapping[str, float] | None = None,
+    layer_ms: Mapping[str, float] | None = None,
     banned: Collection[str] = (),
     need_tokens: int = 0,
     config: RouteConfig = RouteConfig(),
@@ -223,6 +237,7 @@ def replan(
         route.local_peer_id,
         candidates,
         rtt_ms,
+        layer_ms,
         {*banned, failed_peer_id},
         need_tokens,
         config,
@@ -246,6 +261,7 @@ def replan(
                 route.local_peer_id,
                 planner.eligible,
                 rtt_ms=rtt_ms,
+                layer_ms=layer_ms,
                 config=config,
             )
         picks.extend(found)
@@ -262,6 +278,7 @@ class _Planner:
         local_peer_id: str,
         candidates: Iterable[Candidate | NodeRecord],
         rtt_ms: Mapping[str, float] | None,
+        layer_ms: Mapping[str, float] | None,
         banned: Collection[str],
         need_tokens: int,
         config: RouteConfig,
@@ -283,6 +300,10 @@ class _Planner:
             if item.start >= num_layers:
                 continue
             item = dataclasses.replace(item, end=min(item.end, num_layers))
+            measured = (layer_ms or {}).get(item.peer_id)
+            if measured is not None and math.isfinite(measured) and measured >= 0:
+                cost = min(measured / 1000.0, _MAX_NS / _NS_PER_S)
+                item = dataclasses.replace(item, layer_cost_s=cost)
             # One record per peer and model is the rule; for duplicates keep one, the
             # same whatever the input order.
             held = by_peer.get(item.peer_id)

@@ -31,7 +31,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import trio
 
@@ -311,9 +311,11 @@ class StageService:
                 else wire.open_frame(replace(req, hop=req.hop + 1))
             )
             await down.send(hello)
+            inbox_tx, inbox = trio.open_memory_channel[_Arrival](MAX_STEPS_AHEAD)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_downstream, up, down, nursery.cancel_scope)
-                await self._forward(stage, up, down, req)
+                nursery.start_soon(_read_ahead, up, inbox_tx)
+                await self._forward(stage, up, inbox, down, req)
                 nursery.cancel_scope.cancel()
         except (PeerError, BaseExceptionGroup) as caught:  # the next stage is gone
             # A nursery wraps what its tasks raise in a group: find the real error.
@@ -345,15 +347,23 @@ class StageService:
         coordinator vanished, or its open timed out further down) is freed after this."""
         return 2 * self.timeouts.open_s + req.hop * self.timeouts.step_s
 
-    async def _forward(self, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest) -> None:
-        """Steps from upstream, through this stage, on downstream; until the session ends."""
+    async def _forward(
+        self,
+        stage: HeldStage,
+        up: Link,
+        inbox: trio.MemoryReceiveChannel[_Arrival],
+        down: Link,
+        req: wire.OpenRequest,
+    ) -> None:
+        """Steps from upstream (read ahead into `inbox`), through this stage, on
+        downstream; until the session ends."""
         n = 0
         while True:
             wait_s = (
                 self.timeouts.idle_s if n else min(self.timeouts.idle_s, self._first_step_s(req))
             )
             try:
-                frame = await _recv(up, wait_s)
+                frame = await _next(inbox, up.peer_id, wait_s)
             except RecvTimeoutError:
                 log.info("stage session %s idle for %g s: freed", req.sid, wait_s)
                 await _report(down, wire.END_FRAME)
@@ -434,6 +444,46 @@ class StageService:
     async def _ban_peer(self, peer_id: str, why: str) -> None:
         if peer_id != self.peer_id:
             await self._ban(peer_id, why)
+
+
+# A frame from upstream, or why none will come (the link's error).
+_Arrival: TypeAlias = "dict[str, Any] | PeerError"
+
+# Steps read from upstream before this stage has run them. A coordinator keeps up to one
+# step per stage in flight (pipelined prefill), so while this stage computes, the next
+# ones are read off the stream at once: yamux lets a sender wait for a reader only 5 s.
+MAX_STEPS_AHEAD = 16
+
+
+async def _read_ahead(up: Link, inbox: trio.MemorySendChannel[_Arrival]) -> None:
+    """Frames from upstream into `inbox` as they arrive (it holds MAX_STEPS_AHEAD: past
+    that the reading waits), until the session's last frame or the link's end."""
+    async with inbox:
+        while True:
+            try:
+                frame = await _recv(up, math.inf)
+            except PeerError as exc:
+                await inbox.send(exc)
+                return
+            await inbox.send(frame)
+            if isinstance(frame, dict) and frame.get("t") in ("end", "fail"):
+                return  # nothing comes after these: no read left waiting to be cancelled
+
+
+async def _next(
+    inbox: trio.MemoryReceiveChannel[_Arrival], peer_id: str, timeout_s: float
+) -> dict[str, Any]:
+    """The next frame from upstream; its link's error raised; RecvTimeoutError when none
+    comes within `timeout_s`."""
+    with trio.move_on_after(timeout_s):
+        try:
+            arrival = await inbox.receive()
+        except trio.EndOfChannel:
+            raise StreamClosedError("the previous hop's link ended", peer_id) from None
+        if isinstance(arrival, PeerError):
+            raise arrival
+        return arrival
+    raise RecvTimeoutError(f"no frame in {timeout_s:g} s", peer_id)
 
 
 async def _recv(link: Link, timeout_s: float) -> dict[str, Any]:

@@ -15,15 +15,14 @@ honest holders of the same layers. The fault lives here, in the tests, not in sw
 
 from __future__ import annotations
 
-import contextlib
 import struct
 import sys
 from typing import Any
 
 import torch
+import trio
 
 from swarmd.cli import app
-from swarmd.errors import PeerError
 from swarmd.pipeline import wire
 from swarmd.pipeline.coordinator import Coordinator
 from swarmd.pipeline.links import Link
@@ -39,9 +38,14 @@ def claim(self: Coordinator, model_id: str | None = None) -> float:
 
 def blame() -> None:
     async def forward(
-        self: StageService, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest
+        self: StageService,
+        stage: HeldStage,
+        up: Link,
+        inbox: trio.MemoryReceiveChannel[Any],
+        down: Link,
+        req: wire.OpenRequest,
     ) -> None:
-        await up.recv(self.timeouts.idle_s)  # the first step: answered with a lie
+        await inbox.receive()  # the first step: answered with a lie
         victim = req.route[req.hop - 1].peer_id if req.is_last else req.next_peer
         why = f"stage {victim[-8:]} lost: connection reset"
         await up.send(wire.fail_frame(victim, why, "lost"))
@@ -52,12 +56,18 @@ def blame() -> None:
 
 def hang_up() -> None:
     async def forward(
-        self: StageService, stage: HeldStage, up: Link, down: Link, req: wire.OpenRequest
+        self: StageService,
+        stage: HeldStage,
+        up: Link,
+        inbox: trio.MemoryReceiveChannel[Any],
+        down: Link,
+        req: wire.OpenRequest,
     ) -> None:
-        await up.recv(self.timeouts.idle_s)  # the first step: never passed on
+        await inbox.receive()  # the first step: never passed on
         await down.close()
-        with contextlib.suppress(PeerError):  # until the coordinator gives up the session
-            await up.recv(self.timeouts.idle_s)
+        with trio.move_on_after(self.timeouts.idle_s):  # until the coordinator gives up
+            async for _arrival in inbox:
+                pass
 
     StageService._forward = forward  # type: ignore[method-assign]
     Coordinator.recent_tokens_per_second = claim  # type: ignore[method-assign]

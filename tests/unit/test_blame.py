@@ -70,12 +70,19 @@ class FakeSwarm:
     def __init__(self, records: list[NodeRecord] = RECORDS) -> None:
         self.records = records
         self.bans: list[tuple[str, str]] = []
+        self.measurements: dict[str, float] = {}
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
         return self.records
 
     def rtt_ms(self) -> dict[str, float]:
         return {}
+
+    def layer_ms(self) -> dict[str, float]:
+        return dict(self.measurements)
+
+    def measured(self, peer_id: str, layer_ms: float) -> None:
+        self.measurements[peer_id] = layer_ms
 
     def banned(self) -> set[str]:
         return {peer for peer, _ in self.bans}
@@ -360,3 +367,23 @@ def test_a_request_the_older_stages_cannot_read_is_planned_around_them() -> None
             await plan(swarm, SETTINGS, 100, asks)
 
     asyncio.run(run())
+
+
+def test_decode_steps_measure_each_remote_stage_and_a_plan_follows_them() -> None:
+    """A decode step's stage times become each remote stage's ms per layer; a report
+    longer than the whole round trip this node timed is cut to it; the next plan takes
+    the measured speed over a record's claim."""
+    swarm = FakeSwarm()
+    route = first_route(swarm)
+    assert route.peers == (LIAR, HONEST, LAST)
+    chain = DistributedChain(swarm, SETTINGS, route, RECORDS, 100, FalseReports())
+    reply = wire.TokenReply(0, 7, (300.0, 5.0, 9_999.0), 0)
+    chain._measure(reply, round_trip_s=0.4)
+    assert swarm.measurements == {LIAR: 30.0, HONEST: 0.5, LAST: 40.0}  # ms per layer
+
+    async def replan() -> None:
+        # 30 ms a layer: LIAR's 1,000 tok/s claim loses to FIRST2's 10 tok/s (10 ms).
+        again, _ = await plan(swarm, SETTINGS, 100, SamplingParams())
+        assert again.peers[0] == FIRST2
+
+    asyncio.run(replan())

@@ -46,6 +46,23 @@ def test_a_path_that_got_slower_is_followed_once_its_window_passes() -> None:
     assert table.get("p").rtt_ms == 80.0
 
 
+def test_layer_ms_is_an_ewma_that_expires() -> None:
+    table = PeerTable(layer_alpha=0.5, layer_ms_ttl_s=60.0)
+    assert table.layer_ms(T0) == {}
+    table.record_layer_ms("p", 2.0, T0)
+    table.record_layer_ms("p", 4.0, T0 + 1)  # 2 + 0.5 * (4 - 2)
+    table.record_layer_ms("q", 1.0, T0 + 1)
+    assert table.layer_ms(T0 + 1) == {"p": 3.0, "q": 1.0}
+    row = table.get("p")
+    assert row is not None and row.layer_ms == 3.0 and row.layer_ms_at == T0 + 1
+    # A peer measured long ago is judged by its record again (and measured anew if used).
+    assert table.layer_ms(T0 + 61.5) == {}
+    with pytest.raises(ValueError):
+        table.record_layer_ms("p", -1.0, T0)
+    with pytest.raises(ValueError):
+        PeerTable(layer_alpha=0.0)
+
+
 def test_throughput_ewma_in_bytes_per_second() -> None:
     table = PeerTable(throughput_alpha=0.25)
     table.record_transfer("p", 1_000_000, 0.5, T0)

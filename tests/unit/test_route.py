@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -88,6 +89,32 @@ def test_overlapping_holders_cheaper_throughput_wins() -> None:
     assert route.stages[0].standby == "A"
     swapped = [dataclasses.replace(slow, throughput_tps=30.0), fast]
     assert shape(plan(swapped, rtt)) == [("A", 0, L)]
+
+
+def test_measured_speed_beats_what_a_record_claims() -> None:
+    """A holder claiming 1,000 tok/s but measured at 5x its rival's ms per layer is not
+    chosen; one never measured is judged by its record (the prior)."""
+    liar, honest = record("A", 0, L, 1000.0), record("B", 0, L, 20.0)
+    rtt = {"A": 5, "B": 5}
+    assert shape(plan([liar, honest], rtt)) == [("A", 0, L)]  # unmeasured: the claim counts
+    measured = {"A": 5 * 1.6, "B": 1.6}  # ms per layer per token
+    route = plan([liar, honest], rtt, layer_ms=measured)
+    assert shape(route) == [("B", 0, L)] and route.stages[0].standby == "A"
+    assert route.est_s == pytest.approx(L * 0.0016 + 0.005)
+    assert shape(plan([liar, honest], rtt, layer_ms={"A": 5 * 1.6})) == [("B", 0, L)]
+    # Garbage in the measurements is ignored rather than trusted.
+    assert shape(plan([liar, honest], rtt, layer_ms={"A": math.nan})) == [("A", 0, L)]
+
+
+def test_replan_uses_measured_speed_for_the_replacement() -> None:
+    cands = [cand("A", 0, 10), cand("B", 10, 20), cand("C", 20, 30), cand("D", 10, 20, 0.5)]
+    cands.append(cand("E", 10, 20, 0.6))
+    assert plan(cands, RTT_FLAT).stages[1].standby == "E"
+    # E turned out slow when measured: B stands by for D, and takes over when D fails.
+    route = plan(cands, RTT_FLAT, layer_ms={"E": 9.0})
+    assert shape(route)[1] == ("D", 10, 20) and route.stages[1].standby == "B"
+    new = replan(route, "D", cands, rtt_ms=RTT_FLAT, layer_ms={"E": 9.0})
+    assert shape(new)[1] == ("B", 10, 20)
 
 
 def test_rtt_trades_against_compute_both_ways() -> None:
@@ -296,6 +323,7 @@ def test_banning_the_only_holder_leaves_its_layers_missing() -> None:
 
 # --- re-planning ------------------------------------------------------------------------
 
+RTT_FLAT = {p: 5 for p in "ABCDE"}
 RING = [cand("A", 0, 10, 1.0), cand("B", 10, 20, 1.0), cand("C", 20, 30, 1.0)]
 RTT = {"A": 5, "B": 5, "C": 5, "D": 5, "E": 5, "F": 5, "G": 5}
 
