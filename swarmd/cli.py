@@ -111,6 +111,13 @@ def run(
         list[str] | None,
         typer.Option(help="Multiaddr of a swarm peer to join (repeatable)."),
     ] = None,
+    announce_addr: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Multiaddr peers must dial to reach this node, e.g. a forwarded port "
+            "/ip4/203.0.113.7/tcp/8810 (repeatable; advertised instead of the listen address)."
+        ),
+    ] = None,
     swarm_key: Annotated[
         Path | None, typer.Option(help="Private swarm: file with the shared secret.")
     ] = None,
@@ -136,6 +143,7 @@ def run(
         "p2p_port": p2p_port,
         "p2p_host": p2p_host,
         "bootstrap": tuple(bootstrap) if bootstrap else None,
+        "announce_addrs": tuple(announce_addr) if announce_addr else None,
         "swarm_key": str(swarm_key) if swarm_key else None,
     }
     if verbose:

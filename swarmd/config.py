@@ -105,6 +105,9 @@ class Config:
     p2p_host: str = "127.0.0.1"  # libp2p listen address (0.0.0.0 lets other machines in)
     p2p_port: int = -1  # libp2p TCP port; -1 = API port + 10 (any free port if port is 0)
     bootstrap: tuple[str, ...] = ()  # multiaddrs (/ip4/.../tcp/.../p2p/...) of swarm peers
+    announce_addrs: tuple[str, ...] = ()  # multiaddrs peers must dial to reach this node
+    # (a forwarded port, a proxy), advertised instead of the listen address; its /p2p/ id
+    # is appended
     swarm_key: str = ""  # file holding the private swarm's secret; "" = an open swarm
     record_ttl_s: float = 60.0  # lifetime of this node's DHT records
     republish_interval_s: float = 20.0  # how often they are renewed
@@ -197,6 +200,11 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap": (
         lambda v: all(a.startswith("/") and "/p2p/" in a for a in v),
         "multiaddrs with a peer id, like /ip4/1.2.3.4/tcp/8810/p2p/12D3KooW...",
+    ),
+    "announce_addrs": (
+        lambda v: len(v) <= 8 and all(a.startswith("/") and "/p2p/" not in a for a in v),
+        "at most 8 multiaddrs without a peer id, like /ip4/203.0.113.7/tcp/8810 (the node "
+        "appends its own)",
     ),
     "record_ttl_s": (lambda v: math.isfinite(v) and 5 <= v <= 3600, "in 5..3600 seconds"),
     "republish_interval_s": (_finite_positive, "a finite number > 0"),

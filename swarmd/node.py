@@ -451,7 +451,8 @@ class Node:
         return self.swarm.peers.bans(now)
 
     def listen_addrs(self) -> list[str]:
-        return list(self.swarm.addrs)
+        """Where peers reach this node: its announced addresses, else where it listens."""
+        return list(self.swarm.announced)
 
     # --- what a distributed chain needs (pipeline.distributed.SwarmAccess) ---------------
 
@@ -571,7 +572,7 @@ class Node:
     def _make_records(self, host: P2PHost) -> list[NodeRecord]:
         # Called on the trio side; trio runs as a guest on this thread, so reading the
         # asyncio side's state here is safe.
-        addrs = tuple(host.addrs[:16])
+        addrs = tuple(host.announced[:16])
         return [
             held.record(
                 self.identity.peer_id,
@@ -616,6 +617,7 @@ def _swarm_settings(config: Config) -> SwarmSettings:
         republish_interval_s=config.republish_interval_s,
         swarm_key=key,
         known_peers_path=Path(config.data_dir).expanduser() / KNOWN_PEERS_FILE,
+        announce=config.announce_addrs,
     )
 
 
@@ -632,8 +634,11 @@ async def serve(config: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await node.start()
-        for addr in node.listen_addrs():
+        for addr in node.swarm.addrs:
             print(f"swarmd: p2p listening on {addr}", flush=True)
+        if config.announce_addrs:
+            for addr in node.listen_addrs():
+                print(f"swarmd: p2p announced as {addr}", flush=True)
         if node.swarm.joining:
             print(
                 "swarmd: joining the swarm: no bootstrap peer answers yet; "

@@ -189,8 +189,12 @@ def _section_node(node: Node) -> str:
 
 
 def _section_addresses(node: Node) -> str:
-    addrs = node.listen_addrs()
-    return "\n".join(["== Listen addresses", *(addrs or ["(the libp2p host is not running)"])])
+    addrs = list(node.swarm.addrs)
+    lines = ["== Listen addresses", *(addrs or ["(the libp2p host is not running)"])]
+    announced = node.listen_addrs()
+    if announced != addrs:  # --announce-addr, or a relay: what peers are told to dial
+        lines += ["announced as:", *announced]
+    return "\n".join(lines)
 
 
 def _section_peers(

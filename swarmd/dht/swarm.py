@@ -59,6 +59,7 @@ class SwarmSettings:
     republish_interval_s: float
     swarm_key: SwarmKey | None = None  # a private swarm: only peers that prove this key
     known_peers_path: Path | None = None  # where the peers met are remembered (data dir)
+    announce: tuple[str, ...] = ()  # what peers must dial instead of the listen address
 
 
 class SwarmPresence:
@@ -96,6 +97,7 @@ class SwarmPresence:
         self._make_index = make_index
         self._last_index: IndexRecord | None = None  # as announced; None once withdrawn
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
+        self.announced: list[str] = []  # what peers are told to dial (see P2PHost.announced)
         self._gate: SwarmGate | None = None
         self._rpc: RpcService | None = None
         # The holders of the models this node routes, refreshed in the background: a
@@ -139,7 +141,10 @@ class SwarmPresence:
         try:
             async with (
                 open_host(
-                    self.identity, self.settings.listen_port, self.settings.listen_host
+                    self.identity,
+                    self.settings.listen_port,
+                    self.settings.listen_host,
+                    announce=self.settings.announce,
                 ) as host,
                 open_discovery(host, admits=self._not_banned, serves=self._serves_dht) as discovery,
                 trio.open_nursery() as nursery,
@@ -158,6 +163,7 @@ class SwarmPresence:
                     nursery.start_soon(self._run_services, host)
                 self._discovery = discovery
                 self.addrs = host.addrs
+                self.announced = host.announced
                 try:
                     await self._join(discovery)
                     nursery.start_soon(self._stay_joined, discovery)

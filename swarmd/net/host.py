@@ -99,9 +99,16 @@ class HostConfig:
 class P2PHost:
     """A running libp2p host, as swarmd uses it. Made by `open_host`."""
 
-    def __init__(self, libp2p_host: IHost, identity: Identity, config: HostConfig) -> None:
+    def __init__(
+        self,
+        libp2p_host: IHost,
+        identity: Identity,
+        config: HostConfig,
+        announce: tuple[str, ...] = (),
+    ) -> None:
         self._host = libp2p_host
         self._config = config
+        self._announce = announce
         self.peer_id = identity.peer_id
         self.short_id = identity.short_id
         # Set by the owner of the host: who may open swarmd streams, and what to do with a
@@ -127,6 +134,14 @@ class P2PHost:
             for listen_addr in self._host.get_transport_addrs()
             for addr in expand_wildcard_address(listen_addr)
         ]
+
+    @property
+    def announced(self) -> list[str]:
+        """The full multiaddrs peers are told to dial (records, identify): the announced
+        ones when the node was given any (`--announce-addr`), else `addrs`."""
+        if self._announce:
+            return [f"{addr}/p2p/{self.peer_id}" for addr in self._announce]
+        return self.addrs
 
     @property
     def port(self) -> int:
@@ -277,16 +292,20 @@ async def open_host(
     listen_port: int,
     host_ip: str = "127.0.0.1",
     config: HostConfig | None = None,
+    announce: tuple[str, ...] = (),
 ) -> AsyncIterator[P2PHost]:
     """Run a libp2p host listening on host_ip:listen_port (0: any free port).
 
-    Everything it opened is closed when the block exits. Raises ConfigError for a bad
-    address or a port in use, IdentityError if libp2p derives another peer id.
+    `announce`: multiaddrs (no /p2p/ part) peers must dial instead of the listen address,
+    told to them by identify too. Everything it opened is closed when the block exits.
+    Raises ConfigError for a bad address or a port in use, IdentityError if libp2p derives
+    another peer id.
     """
     config = config or HostConfig()
     listen_addr = _listen_multiaddr(host_ip, listen_port)
+    announced = [_announce_multiaddr(addr) for addr in announce]
     _check_can_listen(host_ip, listen_port)
-    libp2p_host = _new_libp2p_host(identity, config)
+    libp2p_host = _new_libp2p_host(identity, config, announced)
     if str(libp2p_host.get_id()) != identity.peer_id:
         raise IdentityError(
             f"libp2p derives peer id {libp2p_host.get_id()} from this node's key, "
@@ -300,7 +319,7 @@ async def open_host(
             await run.started.wait()
             if not run.listening:
                 raise ConfigError(f"cannot listen on {listen_addr} (see the libp2p log)")
-            host = P2PHost(libp2p_host, identity, config)
+            host = P2PHost(libp2p_host, identity, config, tuple(map(str, announced)))
             log.info("libp2p host %s listening on %s", identity.short_id, ", ".join(host.addrs))
             yield host
         except Exception as exc:
@@ -361,7 +380,7 @@ async def _close_libp2p_host(libp2p_host: IHost) -> None:
         await close_quietly(libp2p_host.close)
 
 
-def _new_libp2p_host(identity: Identity, config: HostConfig) -> IHost:
+def _new_libp2p_host(identity: Identity, config: HostConfig, announce: list[Multiaddr]) -> IHost:
     key_pair = create_new_key_pair(seed=identity.private_seed)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     connection_config = ConnectionConfig(
@@ -380,6 +399,8 @@ def _new_libp2p_host(identity: Identity, config: HostConfig) -> IHost:
         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
         connection_config=connection_config,
         resource_manager=_resource_manager(config),
+        # Identify tells peers these instead of the listen address (None: that address).
+        announce_addrs=announce or None,
     )
     # new_host takes no retry config; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=config.dial_retries)
@@ -410,6 +431,21 @@ def _listen_multiaddr(host_ip: str, port: int) -> Multiaddr:
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise ConfigError(f"the p2p port must be in 0..65535, got {port!r}")
     return Multiaddr(f"/ip{ip.version}/{ip}/tcp/{port}")
+
+
+def _announce_multiaddr(text: str) -> Multiaddr:
+    """An address to announce: a multiaddr over TCP, without a peer id."""
+    try:
+        addr = Multiaddr(text)
+    except ValueError as exc:
+        raise ConfigError(f"announce address {text!r} is not a multiaddr: {exc}") from exc
+    protocols = [p.name for p in addr.protocols()]
+    if "p2p" in protocols or "tcp" not in protocols:
+        raise ConfigError(
+            f"announce address {text!r} must be a TCP multiaddr without /p2p/, like "
+            "/ip4/203.0.113.7/tcp/8810 (the node appends its own id)"
+        )
+    return addr
 
 
 def _check_can_listen(host_ip: str, port: int) -> None:

@@ -12,8 +12,9 @@ the stage to blame, on this node's own evidence only:
 - a bad frame on one of this node's links: the peer at the other end ("bad");
 - stage 0's link gone without a report: stage 0;
 - the return stream gone: the last stage, unless a report arrives within `REPORT_GRACE_S`;
-- nothing at all within the step timeout: the first stage that does not answer a ping,
-  else nobody in particular (kind "lost", peer None).
+- no answer for `stall_s`: the first stage that does not answer a ping (a black-holed
+  link shows no error for minutes); while every stage answers, the wait goes on, and at
+  the step timeout nobody in particular is to blame (kind "lost", peer None).
 
 A `fail` report is another peer's word, never evidence by itself. A report naming peer Y
 is checked: Y not answering a ping is this node's own evidence (Y is to blame, "lost");
@@ -75,6 +76,7 @@ PROBE_TIMEOUT_S = 2.0  # a stage that does not answer a ping this fast is to bla
 class RingTimeouts:
     open_s: float = 20.0  # the whole ring set up: every stage dialed and its cache opened
     step_s: float = 60.0  # one step round the ring
+    stall_s: float = 4.0  # a step unanswered this long: are the stages still there?
 
 
 @dataclass(frozen=True)
@@ -177,22 +179,34 @@ class Ring:
         self._sent_at.append(time.perf_counter())
 
     async def _receive(self, want: bool) -> wire.TokenReply:
-        """The answer to the oldest step in flight."""
+        """The answer to the oldest step in flight. Past `stall_s` without it, the stages
+        are pinged: a silent one (a dead or black-holed link, which TCP does not report
+        for minutes) is to blame at once, not at the end of the step timeout; while
+        they all answer, the step is only slow (a long prefill) and the wait goes on."""
         n = self._n
-        with trio.move_on_after(self._timeouts.step_s):
-            event = await self._rx.receive()
-            if event.source == "ret" and event.frame is not None:
-                kind = event.frame.get("t")
-                if kind == "tok":
-                    try:
-                        reply = wire.parse_token(event.frame, n, self._vocab_size, want)
-                    except MalformedFrameError as exc:
-                        raise self._bad(self._req.route[-1].peer_id, str(exc)) from exc
-                    self._n += 1
-                    self.round_trip_s = time.perf_counter() - self._sent_at.popleft()
-                    return reply
-            raise await self._failure(event)
-        raise await self._blame_silence(f"no token within {self._timeouts.step_s:g} s")
+        deadline = trio.current_time() + self._timeouts.step_s
+        while True:
+            wait_until = min(deadline, trio.current_time() + self._timeouts.stall_s)
+            with trio.move_on_at(wait_until):
+                event = await self._rx.receive()
+                if event.source == "ret" and event.frame is not None:
+                    kind = event.frame.get("t")
+                    if kind == "tok":
+                        try:
+                            reply = wire.parse_token(event.frame, n, self._vocab_size, want)
+                        except MalformedFrameError as exc:
+                            raise self._bad(self._req.route[-1].peer_id, str(exc)) from exc
+                        self._n += 1
+                        self.round_trip_s = time.perf_counter() - self._sent_at.popleft()
+                        return reply
+                raise await self._failure(event)
+            waited = self._timeouts.step_s - (deadline - trio.current_time())
+            if trio.current_time() >= deadline:
+                raise await self._blame_silence(f"no token within {self._timeouts.step_s:g} s")
+            silent = await self._silent_stage()
+            if silent is not None:
+                why = f"no token in {waited:.0f} s; stage {silent[-8:]} does not answer a ping"
+                raise StageFailedError(why, silent, "lost")
 
     async def close(self) -> None:
         """End the session on every stage (they free their caches) and drop the links."""
@@ -314,13 +328,19 @@ class Ring:
 
     async def _blame_silence(self, why: str) -> StageFailedError:
         """Nothing came back: the first stage that does not answer a ping is to blame."""
+        silent = await self._silent_stage()
+        if silent is not None:
+            return StageFailedError(f"{why}; stage {silent[-8:]} is silent", silent, "lost")
+        return StageFailedError(why, None, "lost")
+
+    async def _silent_stage(self) -> str | None:
+        """The first stage of the route (this node aside) that does not answer a ping."""
         for hop in self._req.route:
             if hop.peer_id == self._service.peer_id:
                 continue
             if not await self._answers_ping(hop.peer_id):
-                why = f"{why}; stage {hop.peer_id[-8:]} is silent"
-                return StageFailedError(why, hop.peer_id, "lost")
-        return StageFailedError(why, None, "lost")
+                return hop.peer_id
+        return None
 
 
 def refusal_error(fail: wire.Fail) -> RequestError:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import (
@@ -387,3 +388,37 @@ def test_decode_steps_measure_each_remote_stage_and_a_plan_follows_them() -> Non
         assert again.peers[0] == FIRST2
 
     asyncio.run(replan())
+
+
+@pytest.mark.parametrize("silent", [frozenset(), frozenset({HONEST})], ids=["slow", "silent"])
+def test_a_stalled_step_blames_a_stage_that_stops_answering_pings_at_once(
+    monkeypatch: pytest.MonkeyPatch, silent: frozenset[str]
+) -> None:
+    """No answer for `stall_s`: the stages are pinged. A silent one (a black-holed link)
+    is to blame then, not at the step timeout; while all answer, the step is only slow
+    and the wait goes on until the step timeout, which blames nobody."""
+    ring = make_ring((LIAR, HONEST, LAST))
+    ring._timeouts = RingTimeouts(step_s=60.0, stall_s=4.0)
+    ring._sent_at.append(0.0)
+    pinged: list[str] = []
+
+    async def fake_ping(host: object, peer_id: str, timeout_s: float, rounds: int) -> None:
+        pinged.append(peer_id)
+        if peer_id in silent:
+            raise PeerError("no answer", peer_id)
+
+    monkeypatch.setattr(ring_module, "call_ping", fake_ping)
+
+    async def run() -> tuple[StageFailedError, float]:
+        started = trio.current_time()
+        with pytest.raises(StageFailedError) as info:
+            await ring._receive(want=True)
+        return info.value, trio.current_time() - started
+
+    error, waited = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    if silent:
+        assert (error.peer_id, error.kind, waited) == (HONEST, "lost", 4.0)
+        assert pinged == [LIAR, HONEST]
+    else:
+        assert (error.peer_id, waited) == (None, 60.0)
+        assert len(pinged) == 3 * 15  # every stage at each of the 14 stalls and at the end

@@ -1,0 +1,317 @@
+"""The swarm over links that are not loopback's: delay, jitter, a bandwidth cap, a black
+hole and a reset, each put on real node processes by the fault proxy (tests/faultproxy.py).
+
+Every node listens behind a proxy of its own and announces the proxy's address
+(`--announce-addr`), so every connection between two nodes runs through one proxy: a
+40 ms delay on each proxy is 40 ms each way on every link. A node a fault must cut off
+whole is named by its pid on the other proxies too (the connections it dialed itself).
+The reference is always a single node of the same weights: greedy output through any
+link, and through any failover, equals it token for token.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from swarmd.net.identity import load_or_create_identity
+from tests.conftest import NodeProcess, running_node, start_node, wait_until
+from tests.e2e.test_pipeline import LONG_PROMPT, Stream, chat_body, complete
+from tests.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.e2e
+
+DELAY_MS = 40.0
+JITTER_MS = 5.0
+RTT_S = 2 * DELAY_MS / 1000.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Proxied:
+    node: NodeProcess
+    proxy: FaultProxy
+    peer_id: str
+
+    @property
+    def addr(self) -> str:
+        return f"{self.proxy.addr}/p2p/{self.peer_id}"
+
+    @property
+    def pid(self) -> int:
+        return self.node.proc.pid
+
+
+@dataclass
+class ProxiedSwarm:
+    """Nodes each behind a fault proxy; `stop` ends them and their proxies."""
+
+    tmp_path: Path
+    model_args: list[str]
+    members: dict[str, Proxied] = field(default_factory=dict)
+
+    def start(self, name: str, layers: str, *extra: str) -> Proxied:
+        """A node holding `layers`, behind a new proxy; the first one is the bootstrap."""
+        workdir = self.tmp_path / name
+        data = workdir / "data"
+        peer_id = load_or_create_identity(data).peer_id
+        port = free_port()
+        proxy = FaultProxy(port).start()
+        args = ["--port", "0", "--p2p-port", str(port), "--data-dir", str(data)]
+        args += ["--layers", layers, "--announce-addr", proxy.addr, *self.model_args, *extra]
+        if self.members:
+            args += ["--bootstrap", next(iter(self.members.values())).addr]
+        try:
+            node = start_node(args, workdir)
+        except BaseException:
+            proxy.stop()
+            raise
+        member = self.members[name] = Proxied(node, proxy, peer_id)
+        return member
+
+    def __getitem__(self, name: str) -> Proxied:
+        return self.members[name]
+
+    def shape(self, **how: float) -> None:
+        for member in self.members.values():
+            member.proxy.shape(**how)
+
+    def black_hole(self, name: str) -> None:
+        """Cut `name` off: nothing reaches it, nothing leaves it, every socket stays open."""
+        victim = self.members[name]
+        for member in self.members.values():
+            if member is victim:
+                member.proxy.black_hole()
+            else:
+                member.proxy.black_hole(pid=victim.pid)
+
+    def reset(self, name: str) -> int:
+        """Tear every connection of `name` with a RST; how many there were."""
+        victim = self.members[name]
+        return sum(
+            m.proxy.reset() if m is victim else m.proxy.reset(pid=victim.pid)
+            for m in self.members.values()
+        )
+
+    def heal(self) -> None:
+        for member in self.members.values():
+            member.proxy.heal()
+
+    def wait_routable(self, coordinator: str, holders: int, timeout_s: float = 90.0) -> None:
+        node = self.members[coordinator].node
+
+        def ready() -> bool:
+            entry = node.get_json("/v1/models")["data"][0]  # type: ignore[index]
+            swarm = entry["swarm"]
+            return len(swarm["holders"]) >= holders and bool(swarm["routable"])
+
+        assert wait_until(ready, timeout_s, 0.5), f"{coordinator} never saw {holders} holders"
+
+    def stop(self) -> None:
+        for member in self.members.values():
+            member.node.stop()
+            member.proxy.stop()
+
+
+def short(member: Proxied) -> str:
+    return member.peer_id[-8:]
+
+
+def ids(reply: dict[str, Any]) -> list[int]:
+    return list(reply["choices"][0]["token_ids"])
+
+
+# --- the embedded model over 40 ms links, and through a 10 Mbit/s one --------------------
+
+
+@pytest.fixture(scope="module")
+def wan(test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedSwarm]:
+    swarm = ProxiedSwarm(tmp_path_factory.mktemp("wan"), ["--cache-dir", str(test_cache_dir)])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SWARMD_TORCH_THREADS", "1")  # nodes share two cores
+        try:
+            swarm.start("a", "0:15")
+            swarm.start("b", "15:30")
+            swarm.wait_routable("a", 2)
+            yield swarm
+        finally:
+            swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def one_thread_node(
+    test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    """The whole embedded model on one node with the swarm's threads (the TTFT yardstick)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SWARMD_TORCH_THREADS", "1")
+        args = ["--cache-dir", str(test_cache_dir)]
+        with running_node(tmp_path_factory, "one-thread", args) as node:
+            yield node
+
+
+def test_replies_over_40_ms_links_with_jitter_equal_one_nodes(
+    wan: ProxiedSwarm, embedded_node: NodeProcess
+) -> None:
+    wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    try:
+        for prompt in ("What is the capital of France?", LONG_PROMPT):
+            reference, _ = complete(embedded_node, chat_body(prompt, 12))
+            reply, headers = complete(wan["a"].node, chat_body(prompt, 12))
+            assert headers["x-swarm-nodes"] == f"{short(wan['a'])},{short(wan['b'])}"
+            assert ids(reply) == ids(reference)
+            assert reply["swarm"]["failovers"] == 0
+            # Proof the ring crossed the delayed links: a token cannot come round faster.
+            timing = reply["swarm"]["timing"]
+            assert timing["decode_ms"] / (len(ids(reply)) - 1) >= 1000 * RTT_S
+    finally:
+        wan.shape(delay_ms=0, jitter_ms=0)
+
+
+def test_a_long_prompt_over_40_ms_links_pays_the_latency_about_once(
+    wan: ProxiedSwarm, one_thread_node: NodeProcess
+) -> None:
+    """Prompt chunks flow through the stages one behind the other, so the first token
+    comes within one node's time plus two round trips (not a round trip per chunk)."""
+    prompt = " ".join([LONG_PROMPT] * 3)  # about 1,500 tokens: six chunks
+    body = chat_body(prompt, 1)
+    reference, _ = complete(one_thread_node, body)
+    assert reference["usage"]["prompt_tokens"] > 5 * 256
+    one_node = min(complete(one_thread_node, body)[0]["swarm"]["timing"]["ttft_ms"] for _ in "ab")
+    wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    try:
+        replies = [complete(wan["a"].node, body)[0] for _ in "ab"]
+    finally:
+        wan.shape(delay_ms=0, jitter_ms=0)
+    for reply in replies:
+        assert ids(reply) == ids(reference)
+    over_links = min(r["swarm"]["timing"]["ttft_ms"] for r in replies)
+    assert over_links <= one_node + 2 * 1000 * RTT_S, (over_links, one_node)
+
+
+def test_replies_through_a_10_mbit_link_equal_one_nodes(
+    wan: ProxiedSwarm, embedded_node: NodeProcess
+) -> None:
+    wan.shape(rate_mbit=10.0)
+    try:
+        body = chat_body(LONG_PROMPT, 12)
+        reference, _ = complete(embedded_node, body)
+        reply, _ = complete(wan["a"].node, body)
+        assert ids(reply) == ids(reference)
+        # The prompt's hidden states (576 bfloat16 values a token) crossed the capped link
+        # before the first token: 10 Mbit/s is 1.25 MB/s.
+        hidden_bytes = reply["usage"]["prompt_tokens"] * 576 * 2
+        assert reply["swarm"]["timing"]["ttft_ms"] >= 1000 * hidden_bytes / 1.25e6
+    finally:
+        wan.shape(rate_mbit=0.0)
+
+
+# --- a stage black-holed or reset mid-stream (a tiny model: fresh swarms start fast) ----
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(
+    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[NodeProcess]:
+    with running_node(tmp_path_factory, "tiny-ref", ["--model", str(tiny_chat_dir)]) as node:
+        yield node
+
+
+@pytest.fixture
+def tiny_wan(tmp_path: Path, tiny_chat_dir: Path, swarm_env: None) -> Iterator[ProxiedSwarm]:
+    swarm = ProxiedSwarm(tmp_path, ["--model", str(tiny_chat_dir)])
+    try:
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+@pytest.fixture
+def swarm_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWARMD_TORCH_THREADS", "1")
+
+
+def stream_body(tiny_reference: NodeProcess, max_tokens: int) -> dict[str, Any]:
+    body = chat_body("Tell me a long story about the sea.", max_tokens, stream=True)
+    body["model"] = tiny_reference.model_id
+    body.pop("return_token_ids", None)
+    return body
+
+
+def reference_text(tiny_reference: NodeProcess, body: dict[str, Any]) -> str:
+    stream = Stream(tiny_reference, body)
+    for _ in stream.events():
+        pass
+    assert stream.done and not stream.errors
+    return stream.text
+
+
+def start_with_standby(swarm: ProxiedSwarm) -> None:
+    swarm.start("a", "0:2")
+    swarm.start("b", "2:4")
+    swarm.start("b2", "2:4")
+    swarm.wait_routable("a", 3)
+
+
+@pytest.mark.parametrize("fault", ["black hole", "reset"])
+def test_a_stage_cut_off_mid_stream_fails_over_to_its_standby_with_the_same_text(
+    fault: str, tiny_wan: ProxiedSwarm, tiny_reference: NodeProcess
+) -> None:
+    start_with_standby(tiny_wan)
+    body = stream_body(tiny_reference, 60)
+    expected = reference_text(tiny_reference, body)
+    tiny_wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    stream = Stream(tiny_wan["a"].node, body)
+    on_route = stream.headers["x-swarm-nodes"].split(",")[1]
+    victim = next(n for n in ("b", "b2") if short(tiny_wan[n]) == on_route)
+    events = stream.events()
+    while stream.content_events < 5:
+        next(events)
+    cut = time.monotonic()
+    if fault == "black hole":
+        tiny_wan.black_hole(victim)
+    else:
+        assert tiny_wan.reset(victim) > 0
+    for _ in events:
+        pass
+    took = time.monotonic() - cut
+    tiny_wan.heal()
+    assert stream.done and stream.errors == [] and stream.finish_reason == "length"
+    assert stream.text == expected
+    assert stream.swarm is not None and stream.swarm["failovers"] == 1
+    assert on_route not in stream.swarm["nodes"]
+    assert took < 15.0, took
+    log = tiny_wan["a"].node.log_text()
+    assert "DIAG: stage failed request_id=" in log and f"peer={on_route} kind=lost" in log
+
+
+def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
+    tiny_wan: ProxiedSwarm, tiny_reference: NodeProcess
+) -> None:
+    tiny_wan.start("a", "0:2")
+    tiny_wan.start("b", "2:4")
+    tiny_wan.wait_routable("a", 2)
+    stream = Stream(tiny_wan["a"].node, stream_body(tiny_reference, 200))
+    events = stream.events()
+    while stream.content_events < 3:
+        next(events)
+    cut = time.monotonic()
+    tiny_wan.black_hole("b")
+    for _ in events:
+        pass
+    took = time.monotonic() - cut
+    tiny_wan.heal()
+    assert stream.done, "no [DONE] after the error"
+    assert len(stream.errors) == 1 and "2:4" in stream.errors[0]["message"], stream.errors
+    assert took < 60.0, took  # the step timeout; the stall check answers well before it
