@@ -28,14 +28,12 @@ async def run_job(worker: TorchWorker, job: Job, timeout_s: float) -> Any:
 
     ticket = worker.submit(job, wake)
     try:
-        while not ticket.started:
-            await rx.receive()
-        try:
-            with trio.fail_after(timeout_s):
-                while not ticket.finished:
-                    await rx.receive()
-        except trio.TooSlowError as exc:
-            raise StepTimeoutError(f"A model step took longer than {timeout_s:g} s") from exc
+        while not ticket.finished:
+            left = ticket.time_left(timeout_s)
+            if left <= 0:
+                raise StepTimeoutError(f"A model step took longer than {timeout_s:g} s")
+            with trio.move_on_after(left):
+                await rx.receive()
     finally:
         ticket.cancel()
     return ticket.outcome()

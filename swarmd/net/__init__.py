@@ -5,6 +5,8 @@
 - `bridge.py`    `TrioBridge`: py-libp2p (trio) as a guest run on the asyncio loop; the
                  only module that imports both
 - `host.py`      `open_host` / `P2PHost`: libp2p with Noise only and yamux
+- `noise_writes.py`, `yamux_tuning.py`  fixes to py-libp2p's Noise and yamux, applied
+                 when `host` is imported
 - `frames.py`    the wire codec (length prefix + msgpack, hard limits), `FrameStream`
 - `rpc.py`       `RpcService` (handler side) and `call` / `call_ping` (caller side)
 - `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff
