@@ -111,6 +111,20 @@ def run(
         list[str] | None,
         typer.Option(help="Multiaddr of a swarm peer to join (repeatable)."),
     ] = None,
+    no_listen: Annotated[
+        bool | None,
+        typer.Option(
+            "--no-listen",
+            help="Take no inbound connection (behind NAT): be reached through a relay.",
+        ),
+    ] = None,
+    relay_service: Annotated[
+        bool | None,
+        typer.Option(
+            "--relay-service",
+            help="Relay circuits for peers that take no inbound connection (with limits).",
+        ),
+    ] = None,
     announce_addr: Annotated[
         list[str] | None,
         typer.Option(
@@ -144,6 +158,8 @@ def run(
         "p2p_host": p2p_host,
         "bootstrap": tuple(bootstrap) if bootstrap else None,
         "announce_addrs": tuple(announce_addr) if announce_addr else None,
+        "no_listen": no_listen,
+        "relay_service": relay_service,
         "swarm_key": str(swarm_key) if swarm_key else None,
     }
     if verbose:

@@ -105,6 +105,13 @@ class Config:
     p2p_host: str = "127.0.0.1"  # libp2p listen address (0.0.0.0 lets other machines in)
     p2p_port: int = -1  # libp2p TCP port; -1 = API port + 10 (any free port if port is 0)
     bootstrap: tuple[str, ...] = ()  # multiaddrs (/ip4/.../tcp/.../p2p/...) of swarm peers
+    no_listen: bool = False  # take no inbound connection (behind NAT): dial out, and be
+    # reached through a relay among the peers (a slot reserved there, its address announced)
+    relay_service: bool = False  # relay circuits for peers that take no inbound connection
+    relay_max_reservations: int = 32  # peers holding a relay slot here at once
+    relay_max_circuits_per_peer: int = 8  # circuits to one such peer at once
+    relay_circuit_duration_s: int = 3600  # one relayed circuit's life (0 = unlimited)
+    relay_circuit_mb: int = 1024  # one relayed circuit's megabytes, both ways (0 = unlimited)
     announce_addrs: tuple[str, ...] = ()  # multiaddrs peers must dial to reach this node
     # (a forwarded port, a proxy), advertised instead of the listen address; its /p2p/ id
     # is appended
@@ -201,6 +208,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: all(a.startswith("/") and "/p2p/" in a for a in v),
         "multiaddrs with a peer id, like /ip4/1.2.3.4/tcp/8810/p2p/12D3KooW...",
     ),
+    "relay_max_reservations": (lambda v: 1 <= v <= 4096, "in 1..4096"),
+    "relay_max_circuits_per_peer": (lambda v: 1 <= v <= 1024, "in 1..1024"),
+    "relay_circuit_duration_s": (lambda v: v >= 0, ">= 0 (0 = unlimited)"),
+    "relay_circuit_mb": (lambda v: v >= 0, ">= 0 (0 = unlimited)"),
     "announce_addrs": (
         lambda v: len(v) <= 8 and all(a.startswith("/") and "/p2p/" not in a for a in v),
         "at most 8 multiaddrs without a peer id, like /ip4/203.0.113.7/tcp/8810 (the node "

@@ -55,6 +55,7 @@ from swarmd.net.host import P2PHost
 from swarmd.net.identity import Identity, load_or_create_identity
 from swarmd.net.known_peers import FILE_NAME as KNOWN_PEERS_FILE
 from swarmd.net.peers import BanRow, PeerRow
+from swarmd.net.relay import RelaySettings
 from swarmd.pipeline.coordinator import Coordinator, CoordinatorLimits
 from swarmd.pipeline.distributed import ChainSettings
 from swarmd.pipeline.report import FailureRing
@@ -618,6 +619,14 @@ def _swarm_settings(config: Config) -> SwarmSettings:
         swarm_key=key,
         known_peers_path=Path(config.data_dir).expanduser() / KNOWN_PEERS_FILE,
         announce=config.announce_addrs,
+        listen=not config.no_listen,
+        relay=RelaySettings(
+            serve=config.relay_service,
+            max_reservations=config.relay_max_reservations,
+            max_circuits_per_peer=config.relay_max_circuits_per_peer,
+            circuit_duration_s=config.relay_circuit_duration_s,
+            circuit_mb=config.relay_circuit_mb,
+        ),
     )
 
 
@@ -636,6 +645,10 @@ async def serve(config: Config) -> None:
         await node.start()
         for addr in node.swarm.addrs:
             print(f"swarmd: p2p listening on {addr}", flush=True)
+        if config.no_listen:
+            print("swarmd: p2p takes no inbound connection; reached through a relay", flush=True)
+        if config.relay_service:
+            print("swarmd: relaying circuits for peers without inbound connections", flush=True)
         if config.announce_addrs:
             for addr in node.listen_addrs():
                 print(f"swarmd: p2p announced as {addr}", flush=True)

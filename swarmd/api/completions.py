@@ -44,6 +44,7 @@ from swarmd.model.tool_prompt import (
     render_tools_prompt,
     tool_call_format,
 )
+from swarmd.pipeline.chain import route_kind
 from swarmd.pipeline.coordinator import Coordinator, Routed
 from swarmd.pipeline.generation import Delta, Generation, GenerationRequest, Timing
 from swarmd.pipeline.report import RequestRecord, ms
@@ -143,7 +144,7 @@ def _server_timing(timing: Timing, full: bool) -> str:
 def _route_headers(gen: Generation, request_id: str, full_timing: bool) -> dict[str, str]:
     hops = gen.chain.hops
     return {
-        "x-swarm-route": "local" if gen.chain.is_local else "distributed",
+        "x-swarm-route": route_kind(gen.chain),
         "x-swarm-segments": str(len(hops)),
         "x-swarm-nodes": ",".join(hop.short_id for hop in hops),
         "x-swarm-request-id": request_id,
@@ -155,7 +156,7 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
     hops = gen.chain.hops
     t = gen.timing
     return {
-        "route": "local" if gen.chain.is_local else "distributed",
+        "route": route_kind(gen.chain),
         "nodes": [hop.short_id for hop in hops],
         "segments": [
             {"node": hop.short_id, "layers": [hop.layers.start, hop.layers.end], "ms": _ms(s)}

@@ -26,6 +26,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.model.layers import LayerRange
 from swarmd.model.memory import available_memory_bytes, rss_bytes, total_memory_bytes
 from swarmd.net.peers import PeerRow
+from swarmd.net.relay import is_circuit
 from swarmd.pipeline.placement import coverage, gaps
 from swarmd.pipeline.report import Failure, RequestRecord
 
@@ -229,7 +230,8 @@ def _section_peers(
         rows.append(
             [
                 peer_id[-8:],
-                "yes" if peer_id in connected else "no",
+                ("yes" if peer_id in connected else "no")
+                + (" (via relay)" if signed and all(is_circuit(a) for a in signed) else ""),
                 rtt,
                 layer,
                 seen,

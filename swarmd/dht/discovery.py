@@ -112,7 +112,7 @@ log = logging.getLogger(__name__)
 MAX_PROVIDERS_PER_ANSWER = 64  # providers taken from one peer's GET_PROVIDERS answer
 MAX_PROVIDERS = 256  # providers of one key (holders of a model, catalog indexes) per lookup
 _MAX_KNOWN_GOOD = 1024  # providers remembered as having had a valid record or index
-_VALUE_PEERS = 20  # closest peers asked for a record (libp2p's k)
+_VALUE_PEERS = 20  # closest peers asked for a record or providers (libp2p's k)
 
 Clock = Callable[[], float]
 # What a value under the "swarmd" namespace decodes to, by its key's prefix.
@@ -543,9 +543,6 @@ class Discovery:
         key_bytes = key.encode("utf-8")
         store = self._dht.provider_store
         found = {str(info.peer_id) for info in store.get_providers(key_bytes)}
-        closest: list[ID] = []
-        with trio.move_on_after(self._config.lookup_timeout_s):
-            closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
         peerstore = self._host.libp2p.get_peerstore()
 
         async def ask(peer: ID) -> None:
@@ -563,10 +560,7 @@ class Discovery:
                     if info.addrs and info.peer_id != self._local_id:
                         peerstore.add_addrs(info.peer_id, info.addrs, _ADDR_TTL_S)
 
-        async with trio.open_nursery() as nursery:
-            for peer in closest:
-                if peer != self._local_id:
-                    nursery.start_soon(ask, peer)
+        await self._each_near_peer(key_bytes, ask, _VALUE_PEERS)
         return found
 
     async def _fetch_record(self, model_id: str, peer_id: str) -> NodeRecord | None:
@@ -673,12 +667,33 @@ class Discovery:
         cached = self._dht.value_store.get(key_bytes)
         if cached is not None and self._validator.is_valid(key, cached.value):
             values.append(cached.value)
-        with trio.move_on_after(self._config.lookup_timeout_s):
-            closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
-            async with trio.open_nursery() as nursery:
-                for peer in closest[:_VALUE_PEERS]:
-                    if peer != self._local_id:
-                        nursery.start_soon(self._ask_peer, peer, key_bytes, values)
+
+        async def ask(peer: ID) -> None:
+            await self._ask_peer(peer, key_bytes, values)
+
+        await self._each_near_peer(key_bytes, ask, _VALUE_PEERS)
+
+    async def _each_near_peer(
+        self, key_bytes: bytes, ask: Callable[[ID], Awaitable[None]], limit: int
+    ) -> None:
+        """`ask(peer)` of the `limit` peers closest to the key (a network lookup) and of
+        the peers this node is connected to, each once, all at once. The connected ones
+        are asked at the start: a lookup stalls on peers it cannot dial (a node behind
+        NAT has no address but a relay's) for its whole timeout, and in a small swarm the
+        connected peers are the closest anyway."""
+        asked: set[ID] = {self._local_id}
+
+        def start(nursery: trio.Nursery, peers: Iterable[ID]) -> None:
+            for peer in peers:
+                if peer not in asked:
+                    asked.add(peer)
+                    nursery.start_soon(ask, peer)
+
+        async with trio.open_nursery() as nursery:
+            start(nursery, self._host.libp2p.get_connected_peers()[:limit])
+            with trio.move_on_after(self._config.lookup_timeout_s):
+                closest = await self._dht.peer_routing.find_closest_peers_network(key_bytes)
+                start(nursery, closest[:limit])
 
     def _keep_provider_slots_open(self, store: ProviderStore) -> None:
         """Make a full key evict a provider instead of refusing the newcomer.

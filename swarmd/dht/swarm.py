@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -38,6 +38,7 @@ from swarmd.net.identity import Identity
 from swarmd.net.known_peers import KnownPeers
 from swarmd.net.loop_errors import LoopErrors, first_of
 from swarmd.net.peers import PeerRow, PeerTable
+from swarmd.net.relay import Relay, RelaySettings
 from swarmd.net.remote_addr import remote_ip, remote_ips
 from swarmd.net.rpc import PING_TIMEOUT_S, RpcService, call_ping
 from swarmd.net.safe_text import safe_text
@@ -49,6 +50,8 @@ PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
 JOIN_CHECK_S = 5.0  # how often a joined node checks it still has peers (and notes them)
 JOIN_RETRY_MIN_S = 1.0  # the first retry of unreachable bootstrap peers ...
 JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met within it
+RELAY_CHECK_S = 2.0  # how often a node without inbound connections checks its relay slot
+RESERVE_TIMEOUT_S = 10.0  # one reservation on a relay
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class SwarmSettings:
     swarm_key: SwarmKey | None = None  # a private swarm: only peers that prove this key
     known_peers_path: Path | None = None  # where the peers met are remembered (data dir)
     announce: tuple[str, ...] = ()  # what peers must dial instead of the listen address
+    listen: bool = True  # False: no inbound connection; reached through a relay
+    relay: RelaySettings = field(default_factory=RelaySettings)
 
 
 class SwarmPresence:
@@ -97,7 +102,7 @@ class SwarmPresence:
         self._make_index = make_index
         self._last_index: IndexRecord | None = None  # as announced; None once withdrawn
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
-        self.announced: list[str] = []  # what peers are told to dial (see P2PHost.announced)
+        self.relay: Relay | None = None
         self._gate: SwarmGate | None = None
         self._rpc: RpcService | None = None
         # The holders of the models this node routes, refreshed in the background: a
@@ -109,6 +114,12 @@ class SwarmPresence:
         if self._host is None:
             raise InternalError("the libp2p host is not running")
         return self._host
+
+    @property
+    def announced(self) -> list[str]:
+        """What peers are told to dial (see `P2PHost.announced`); none before the host runs
+        (and, for a node without inbound connections, until a relay holds a slot)."""
+        return self._host.announced if self._host is not None else []
 
     @property
     def host_or_none(self) -> P2PHost | None:
@@ -145,6 +156,7 @@ class SwarmPresence:
                     self.settings.listen_port,
                     self.settings.listen_host,
                     announce=self.settings.announce,
+                    listen=self.settings.listen,
                 ) as host,
                 open_discovery(host, admits=self._not_banned, serves=self._serves_dht) as discovery,
                 trio.open_nursery() as nursery,
@@ -153,6 +165,9 @@ class SwarmPresence:
                 host.misbehaved = self.ban
                 self._host = host
                 self._rpc = RpcService(host)
+                self.relay = Relay(host.libp2p, self.settings.relay, self._admits)
+                await nursery.start(self.relay.run)
+                host.circuit_dialer = self.relay.dial
                 if self.settings.swarm_key is not None:
                     self._gate = SwarmGate(
                         host, self.settings.swarm_key, self.peers, self.loop_errors
@@ -163,11 +178,12 @@ class SwarmPresence:
                     nursery.start_soon(self._run_services, host)
                 self._discovery = discovery
                 self.addrs = host.addrs
-                self.announced = host.announced
                 try:
                     await self._join(discovery)
                     nursery.start_soon(self._stay_joined, discovery)
                     nursery.start_soon(self.view.run, self.loop_errors.report)
+                    if not self.settings.listen:
+                        nursery.start_soon(self._stay_reachable)
                     if self._make_records is None:
                         self._ready.set()
                         await trio.sleep_forever()
@@ -403,6 +419,45 @@ class SwarmPresence:
             for multiaddr in candidates:
                 nursery.start_soon(dial, multiaddr)
         return reached
+
+    async def _stay_reachable(self) -> None:
+        """A node that takes no inbound connection keeps a slot on a relay among its
+        connected peers, and announces that relay's circuit address (again whenever it
+        moves to another relay)."""
+        relay = self.relay
+        if relay is None:
+            return
+        while True:
+            try:
+                await self._keep_relay_slot(relay)
+            except Exception as exc:  # one bad round must not end it
+                self.loop_errors.report("relay", exc)
+            await trio.sleep(RELAY_CHECK_S)
+
+    async def _keep_relay_slot(self, relay: Relay) -> None:
+        host = self.host
+        held = relay.reserved_on
+        if held is not None and held in host.connected_peers():
+            return
+        if held is not None:
+            log.warning("DIAG: relay lost relay=%s; looking for another", held[-8:])
+            relay.reserved_on = None
+            host.relayed = []
+        now = time.time()
+        for peer_id in relay.candidates():
+            addrs = host.peer_addrs(peer_id)[:2]
+            if self.peers.is_banned(peer_id, now) or not addrs:
+                continue
+            if await relay.reserve(peer_id, RESERVE_TIMEOUT_S):
+                host.relayed = [f"{addr}/p2p-circuit" for addr in addrs]
+                log.warning(
+                    "DIAG: reachable through relay relay=%s addrs=%s",
+                    peer_id[-8:],
+                    ",".join(host.announced),
+                )
+                if self._ready.is_set():
+                    await self._announce()
+                return
 
     def _remember_peers(self) -> None:
         host = self.host

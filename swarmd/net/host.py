@@ -33,7 +33,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -99,6 +99,20 @@ class HostConfig:
     max_connections_per_peer: int = 4  # established connections to one peer (libp2p's rcmgr)
 
 
+@dataclass
+class Advertised:
+    """What this host tells peers to dial (identify, provider records, swarmd's records):
+    the circuit addresses of a relay holding a slot for it, else the announced addresses
+    (`--announce-addr`), else where it listens."""
+
+    announce: list[Multiaddr] = field(default_factory=list)
+    relayed: list[Multiaddr] = field(default_factory=list)  # set once a relay holds a slot
+
+    def choose(self, listening: list[Multiaddr]) -> list[Multiaddr]:
+        """libp2p's address factory: called with the listen addresses it would tell."""
+        return list(self.relayed or self.announce or listening)
+
+
 class P2PHost:
     """A running libp2p host, as swarmd uses it. Made by `open_host`."""
 
@@ -107,11 +121,13 @@ class P2PHost:
         libp2p_host: IHost,
         identity: Identity,
         config: HostConfig,
-        announce: tuple[str, ...] = (),
+        advertised: Advertised | None = None,
     ) -> None:
         self._host = libp2p_host
         self._config = config
-        self._announce = announce
+        self._advertised = advertised or Advertised()
+        # Set by the owner: how to reach a /p2p-circuit address (libp2p's dialer skips them).
+        self.circuit_dialer: Callable[[str, float], Awaitable[None]] | None = None
         self.peer_id = identity.peer_id
         self.short_id = identity.short_id
         # Set by the owner of the host: who may open swarmd streams, and what to do with a
@@ -127,6 +143,16 @@ class P2PHost:
         return self._host
 
     @property
+    def relayed(self) -> list[str]:
+        """The circuit addresses (no /p2p/ of this node) it is reachable at, through a relay
+        (a node that takes no inbound connection); told to peers by identify too."""
+        return [str(a) for a in self._advertised.relayed]
+
+    @relayed.setter
+    def relayed(self, addrs: list[str]) -> None:
+        self._advertised.relayed = [Multiaddr(a) for a in addrs]
+
+    @property
     def addrs(self) -> list[str]:
         """Full multiaddrs others can connect to: /ip4/IP/tcp/PORT/p2p/PEER_ID.
 
@@ -140,10 +166,12 @@ class P2PHost:
 
     @property
     def announced(self) -> list[str]:
-        """The full multiaddrs peers are told to dial (records, identify): the announced
-        ones when the node was given any (`--announce-addr`), else `addrs`."""
-        if self._announce:
-            return [f"{addr}/p2p/{self.peer_id}" for addr in self._announce]
+        """The full multiaddrs peers are told to dial (records): the circuit addresses of a
+        node that accepts no inbound connections, else the announced ones when the node was
+        given any (`--announce-addr`, also told by identify), else `addrs`."""
+        chosen = self._advertised.relayed or self._advertised.announce
+        if chosen:
+            return [f"{addr}/p2p/{self.peer_id}" for addr in chosen]
         return self.addrs
 
     @property
@@ -171,19 +199,29 @@ class P2PHost:
         except PeerStoreError:
             return []
         full = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in map(str, addrs)]
-        return [a for a in full if "/tcp/" in a and a.endswith(f"/p2p/{peer_id}")]
+        return [
+            a
+            for a in full
+            if "/tcp/" in a and a.endswith(f"/p2p/{peer_id}") and "/p2p-circuit" not in a
+        ]
 
     async def connect(self, multiaddr: str, timeout_s: float | None = None) -> str:
         """Connect to a full multiaddr (with /p2p/PEER_ID); return the peer id.
 
         An explicit connect is tried even if the peer failed recently (libp2p otherwise
-        refuses redials for 60 s). Noise proves the peer holds the key of that peer id.
+        refuses redials for 60 s). Noise proves the peer holds the key of that peer id. A
+        `/p2p-circuit` address goes through the relay it names (`circuit_dialer`).
         """
         info = _peer_info(multiaddr)
         peer_id = str(info.peer_id)
         if peer_id == self.peer_id:
             raise DialError(f"'{multiaddr}' is this node itself", peer_id)
         timeout = self._config.connect_timeout_s if timeout_s is None else timeout_s
+        if "/p2p-circuit" in multiaddr:
+            if self.circuit_dialer is None:
+                raise DialError(f"'{multiaddr}' needs a relay and none is running", peer_id)
+            await self.circuit_dialer(multiaddr, timeout)
+            return peer_id
         self._host.get_network().unblock_peer(info.peer_id)
         try:
             with trio.fail_after(timeout):
@@ -296,19 +334,22 @@ async def open_host(
     host_ip: str = "127.0.0.1",
     config: HostConfig | None = None,
     announce: tuple[str, ...] = (),
+    listen: bool = True,
 ) -> AsyncIterator[P2PHost]:
     """Run a libp2p host listening on host_ip:listen_port (0: any free port).
 
     `announce`: multiaddrs (no /p2p/ part) peers must dial instead of the listen address,
-    told to them by identify too. Everything it opened is closed when the block exits.
-    Raises ConfigError for a bad address or a port in use, IdentityError if libp2p derives
-    another peer id.
+    told to them by identify too; `listen=False`: a host that takes no inbound connection
+    (it dials out; peers reach it through a relay). Everything it opened is closed when the
+    block exits. Raises ConfigError for a bad address or a port in use, IdentityError if
+    libp2p derives another peer id.
     """
     config = config or HostConfig()
-    listen_addr = _listen_multiaddr(host_ip, listen_port)
-    announced = [_announce_multiaddr(addr) for addr in announce]
-    _check_can_listen(host_ip, listen_port)
-    libp2p_host = _new_libp2p_host(identity, config, announced)
+    listen_addr = _listen_multiaddr(host_ip, listen_port) if listen else None
+    advertised = Advertised(announce=[_announce_multiaddr(addr) for addr in announce])
+    if listen:
+        _check_can_listen(host_ip, listen_port)
+    libp2p_host = _new_libp2p_host(identity, config, advertised)
     if str(libp2p_host.get_id()) != identity.peer_id:
         raise IdentityError(
             f"libp2p derives peer id {libp2p_host.get_id()} from this node's key, "
@@ -320,10 +361,11 @@ async def open_host(
         nursery.start_soon(run.run)
         try:
             await run.started.wait()
-            if not run.listening:
+            if listen_addr is not None and not run.listening:
                 raise ConfigError(f"cannot listen on {listen_addr} (see the libp2p log)")
-            host = P2PHost(libp2p_host, identity, config, tuple(map(str, announced)))
-            log.info("libp2p host %s listening on %s", identity.short_id, ", ".join(host.addrs))
+            host = P2PHost(libp2p_host, identity, config, advertised)
+            where = ", ".join(host.addrs) or "nothing (no inbound connections)"
+            log.info("libp2p host %s listening on %s", identity.short_id, where)
             yield host
         except Exception as exc:
             # Carried past the nursery, so the caller gets it as it is, not in a group.
@@ -344,9 +386,9 @@ class _Libp2pRun:
     (Not `nursery.start`: in a cancelled scope it would wait for the shielded task.)
     """
 
-    def __init__(self, libp2p_host: IHost, listen_addr: Multiaddr) -> None:
+    def __init__(self, libp2p_host: IHost, listen_addr: Multiaddr | None) -> None:
         self.libp2p_host = libp2p_host
-        self.listen_addr = listen_addr
+        self.listen_addrs = [] if listen_addr is None else [listen_addr]
         self.started = trio.Event()
         self.stop = trio.Event()
         self.listening = False
@@ -354,7 +396,7 @@ class _Libp2pRun:
     async def run(self) -> None:
         with trio.CancelScope(shield=True) as scope:
             try:
-                async with self.libp2p_host.run([self.listen_addr]):
+                async with self.libp2p_host.run(self.listen_addrs):
                     await self.libp2p_host.get_network().auto_connector.stop()  # swarmd picks
                     self.listening = bool(self.libp2p_host.get_transport_addrs())
                     self.started.set()
@@ -383,7 +425,9 @@ async def _close_libp2p_host(libp2p_host: IHost) -> None:
         await close_quietly(libp2p_host.close)
 
 
-def _new_libp2p_host(identity: Identity, config: HostConfig, announce: list[Multiaddr]) -> IHost:
+def _new_libp2p_host(
+    identity: Identity, config: HostConfig, advertised: Advertised | None = None
+) -> IHost:
     key_pair = create_new_key_pair(seed=identity.private_seed)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     connection_config = ConnectionConfig(
@@ -402,8 +446,8 @@ def _new_libp2p_host(identity: Identity, config: HostConfig, announce: list[Mult
         muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
         connection_config=connection_config,
         resource_manager=_resource_manager(config),
-        # Identify tells peers these instead of the listen address (None: that address).
-        announce_addrs=announce or None,
+        # What identify (and the DHT's provider records) tell peers to dial.
+        addrs_factory=(advertised or Advertised()).choose,
     )
     # new_host takes no retry config; the swarm reads this attribute on every dial.
     host.get_network().retry_config = RetryConfig(max_retries=config.dial_retries)

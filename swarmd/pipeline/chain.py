@@ -19,6 +19,15 @@ from swarmd.model.sampling import Sampled, SamplingParams
 class Hop:
     short_id: str  # the node's short id (last 8 chars of its peer id)
     layers: LayerRange
+    relayed: bool = False  # the node is reached through a circuit relay
+
+
+def route_kind(chain: StageChain) -> str:
+    """What the DIAG line and `x-swarm-route` say: "local" (this node alone),
+    "distributed", or "relayed" (a distributed route with a stage behind a relay)."""
+    if chain.is_local:
+        return "local"
+    return "relayed" if any(hop.relayed for hop in chain.hops) else "distributed"
 
 
 class StageChain(Protocol):

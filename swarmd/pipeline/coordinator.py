@@ -21,7 +21,7 @@ from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline.admission import KVBudget
-from swarmd.pipeline.chain import Hop, StageChain
+from swarmd.pipeline.chain import Hop, StageChain, route_kind
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.kept import KeptConversations
@@ -254,6 +254,7 @@ class Coordinator:
             model=request.model_id,
             route=_route_kind(chain, self.local_budget(request.model_id) is not None),
             nodes=[hop.short_id for hop in chain.hops] if chain is not None else [],
+            relayed=[hop.short_id for hop in chain.hops if hop.relayed] if chain else [],
             outcome="ok" if error is None else "error",
             error_type=None if error is None else type(error).__name__,
             queue_ms=ms(timing.queue_s),
@@ -272,5 +273,5 @@ class Coordinator:
 
 def _route_kind(chain: StageChain | None, held_whole: bool) -> str:
     if chain is not None:
-        return "local" if chain.is_local else "distributed"
+        return route_kind(chain)
     return "local" if held_whole else "distributed"  # refused before a route existed

@@ -36,6 +36,7 @@ from swarmd.errors import (
 )
 from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.net.loop_errors import first_of
+from swarmd.net.relay import is_circuit
 from swarmd.pipeline import bounds, wire
 from swarmd.pipeline.admission import needs_more_than
 from swarmd.pipeline.chain import Hop
@@ -136,8 +137,18 @@ def route_capacity(records: list[NodeRecord], num_layers: int, banned: set[str])
     return None if not best or min(best) == 0 else min(best)
 
 
-def _hops(route: Route) -> list[Hop]:
-    return [Hop(s.peer_id[-8:], s.layers) for s in route.stages]
+def _hops(route: Route, records: list[NodeRecord]) -> list[Hop]:
+    """The route's hops, each marked relayed when its peer announces only addresses
+    through a relay (it takes no inbound connection); this node's own stage never is."""
+    addrs = {r.peer_id: r.addrs for r in records}
+    return [
+        Hop(s.peer_id[-8:], s.layers, not s.local and _behind_relay(addrs.get(s.peer_id, ())))
+        for s in route.stages
+    ]
+
+
+def _behind_relay(addrs: tuple[str, ...]) -> bool:
+    return bool(addrs) and all(is_circuit(a) for a in addrs)
 
 
 class DistributedChain:
@@ -161,7 +172,7 @@ class DistributedChain:
         self._settings = settings
         self.route = route
         self._records = records  # the holders the route was planned from (their addresses)
-        self.hops = _hops(route)
+        self.hops = _hops(route, records)
         self.failovers = 0
         self._need_tokens = need_tokens
         self._ring: Ring | None = None
@@ -380,7 +391,7 @@ class DistributedChain:
             self._excluded.discard(peer)
             self._excluded.add(exc.reporter)
             self.route = self._replan(exc.reporter)
-        self.hops = _hops(self.route)
+        self.hops = _hops(self.route, self._records)
         self._stage_s = _carry_over(old, self.route, self._stage_s)
 
     def _replan(self, peer: str | None) -> Route:

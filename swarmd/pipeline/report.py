@@ -22,7 +22,7 @@ def ms(seconds: float | None) -> float | None:
 class RequestRecord:
     request_id: str
     model: str
-    route: str  # local | distributed | forwarded
+    route: str  # local | distributed | relayed | forwarded
     nodes: list[str]  # short ids, in route order
     outcome: str  # ok | error
     error_type: str | None = None
@@ -37,6 +37,7 @@ class RequestRecord:
     stage_ms: tuple[float, ...] = ()
     activation_bytes: int | None = None
     failovers: int | None = None
+    relayed: list[str] = field(default_factory=list)  # the nodes reached through a relay
     finished_at: float = field(default_factory=time.time)  # unix seconds
 
     @property
@@ -60,6 +61,7 @@ class RequestRecord:
             ("segments", len(self.nodes) if self.nodes else None),
             ("model", self.model),
             ("nodes", ",".join(self.nodes) if self.nodes else None),
+            ("relayed", ",".join(self.relayed) if self.relayed else None),
             ("queue_ms", self.queue_ms),
             ("sched_ms", self.sched_ms),
             ("ttft_ms", self.ttft_ms),

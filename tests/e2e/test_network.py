@@ -315,3 +315,60 @@ def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
     assert stream.done, "no [DONE] after the error"
     assert len(stream.errors) == 1 and "2:4" in stream.errors[0]["message"], stream.errors
     assert took < 60.0, took  # the step timeout; the stall check answers well before it
+
+
+# --- nodes that take no inbound connection, reached through a relay -------------------
+
+
+def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
+    tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
+) -> None:
+    """Two --no-listen nodes hold the two halves of the model: neither can dial the
+    other, so the ring between them runs through the --relay-service node's circuits
+    (both ways: stage 0 to stage 1, and stage 1's answers back to its coordinator)."""
+    nodes: list[NodeProcess] = []
+
+    def start(name: str, *args: str) -> NodeProcess:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        common = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
+        nodes.append(start_node([*common, *args], workdir))
+        return nodes[-1]
+
+    try:
+        relay = start("relay", "--no-model", "--relay-service")
+        boot = ["--bootstrap", relay.p2p_addrs[0], "--model", str(tiny_chat_dir), "--no-listen"]
+        first = start("first", *boot, "--layers", "0:2")
+        second = start("second", *boot, "--layers", "2:4")
+        assert first.p2p_addrs == [] and second.p2p_addrs == []  # they listen nowhere
+
+        def relayed(node: NodeProcess) -> bool:
+            addrs = node.health()["addrs"]
+            return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
+
+        assert wait_until(lambda: relayed(first) and relayed(second), 60.0, 0.5)
+
+        def routable() -> bool:
+            entry = first.get_json("/v1/models")["data"][0]  # type: ignore[index]
+            return len(entry["swarm"]["holders"]) == 2 and bool(entry["swarm"]["routable"])
+
+        assert wait_until(routable, 60.0, 0.5)
+        body = chat_body("Tell me about the sea.", 12)
+        body["model"] = tiny_reference.model_id
+        reference, _ = complete(tiny_reference, body)
+        for _ in range(2):
+            reply, headers = complete(first, body)
+            assert ids(reply) == ids(reference)
+            assert headers["x-swarm-route"] == "relayed"
+            assert headers["x-swarm-nodes"].split(",")[1] == second.health()["short_id"]
+            assert reply["swarm"]["failovers"] == 0
+        diag = f"route=relayed segments=2 model={tiny_reference.model_id}"
+        assert (
+            diag in first.log_text()
+            and f"relayed={second.health()['short_id']}" in first.log_text()
+        )
+        report = first.get_json("/health")
+        assert report["swarm"] == "ready"
+    finally:
+        for node in nodes:
+            node.stop()
