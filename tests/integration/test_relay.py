@@ -4,7 +4,7 @@ connection is reached through a relay, its frames end to end, and the relay's fi
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -50,12 +50,20 @@ async def reserve_on(node: Peer, relay: Peer) -> str:
     """`node` connects to the relay, waits until identify says it relays, and reserves;
     the circuit address it would announce."""
     await node.host.connect(relay.host.addrs[0])
-    with trio.fail_after(10):
-        while relay.host.peer_id not in node.relay.candidates():
-            await trio.sleep(0.02)
+    assert await poll(lambda: relay.host.peer_id in node.relay.candidates(), 10.0)
     assert await node.relay.reserve(relay.host.peer_id, 10.0)
     node.host.relayed = [f"{relay.host.addrs[0]}/p2p-circuit"]
     return node.host.announced[0]
+
+
+async def poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `predicate()` until it is true or the deadline passes (identify answers in ms)."""
+    deadline = trio.current_time() + timeout_s
+    while trio.current_time() < deadline:
+        if predicate():
+            return True
+        await trio.sleep(0.02)
+    return predicate()
 
 
 async def echo_round(a: P2PHost, b_peer_id: str, payload: bytes) -> None:
@@ -111,9 +119,7 @@ def test_a_relay_refuses_a_peer_its_gate_refuses() -> None:
         async with peer(serve=True) as r, peer(listen=False) as b:
             r.refused.add(b.host.peer_id)  # banned, or not proven in a private swarm
             await b.host.connect(r.host.addrs[0])
-            with trio.fail_after(10):
-                while r.host.peer_id not in b.relay.candidates():
-                    await trio.sleep(0.02)
+            assert await poll(lambda: r.host.peer_id in b.relay.candidates(), 10.0)
             assert not await b.relay.reserve(r.host.peer_id, 5.0)
             assert b.relay.reserved_on is None
 
