@@ -88,9 +88,10 @@ def test_a_host_without_inbound_connections_is_reached_through_a_relay() -> None
         async with peer(serve=True) as r, peer(listen=False) as b, peer() as a:
             assert b.host.addrs == [] and b.host.announced == []  # nothing to dial, yet
             circuit = await reserve_on(b, r)
-            assert circuit == (
-                f"{r.host.addrs[0]}/p2p-circuit/p2p/{b.host.peer_id}"
-            ) and b.relay.reserved_on == r.host.peer_id
+            assert (
+                circuit == (f"{r.host.addrs[0]}/p2p-circuit/p2p/{b.host.peer_id}")
+                and b.relay.reserved_on == r.host.peer_id
+            )
             assert await a.host.connect(circuit) == b.host.peer_id
             for size in (10, 1000, 300_000):  # frames of every size, both ways
                 await echo_round(a.host, b.host.peer_id, bytes(range(256)) * (size // 256 + 1))
