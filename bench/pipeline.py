@@ -45,11 +45,21 @@ each token. The script measures, from /proc, the CPU the nodes and other process
 during each timed request and says so when they need more cores than the machine has
 (a 2-core box has no spare core for three nodes). Before each timed run it waits, up to
 `--quiet-timeout` s, until other processes use under `--quiet-cores` cores.
+Then the links stop being loopback's (issue 17). Two nodes, [0:15] and [15:30], each
+behind a fault proxy of its own (tests/faultproxy.py; each announces its proxy with
+`--announce-addr`, so every byte between them crosses one proxy), for each one-way delay of
+`--delays` (0, 10, 40 and 100 ms, no jitter): ms per token of the same reply, and the
+time to first token of a prompt of about `--long-prompt-tokens` (2,000) tokens, against
+the first setup's one node on the same prompt. Before the delays, the swarm is left
+alone for `--cold-wait` seconds (60) and the next request's `sched_ms` is the cold
+planning time (the holders view is refreshed in the background, so it walks no DHT).
 The last line is
 
     RESULT one_ms=<ms> two_ms=<ms> three_ms=<ms> hop_overhead_ms=<ms>
+        ttft_40ms_over_one=<r> tpot_40ms_ms=<ms> sched_cold_ms=<ms>
 
-Usage: .venv/bin/python bench/pipeline.py [--cache-dir DIR] [--runs N] [--max-tokens N]
+(one line). Usage: .venv/bin/python bench/pipeline.py [--cache-dir DIR] [--runs N]
+[--max-tokens N] [--delays 0,10,40,100] [--long-prompt-tokens N] [--cold-wait S]
 """
 
 from __future__ import annotations
@@ -76,6 +86,9 @@ from typing import IO, Any
 import platformdirs
 from procstat import free_port, machine_busy_s, process_busy_s
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ of this checkout
+from tests.faultproxy import FaultProxy
+
 NUM_LAYERS = 30
 CONFIGS: dict[str, list[tuple[int, int]]] = {
     "one": [(0, 30)],
@@ -86,6 +99,18 @@ CONFIGS: dict[str, list[tuple[int, int]]] = {
 # without an end-of-sequence token (the same prompt as bench/single_node.py).
 PROMPT = "Write a long story about a dragon who learns to bake bread. Make it at least 500 words."
 MESSAGES = [{"role": "user", "content": PROMPT}]
+LINE_TOKENS = 17  # about what one line of the long prompt takes
+
+
+def long_messages(tokens: int) -> list[dict[str, str]]:
+    """A prompt of about `tokens` tokens: a text to summarise, line by line."""
+    lines = " ".join(
+        f"Line {i}: the harbour lights were lit at dusk and the boats came home."
+        for i in range(max(1, tokens // LINE_TOKENS))
+    )
+    return [{"role": "user", "content": "Summarise this text in one sentence. " + lines}]
+
+
 STOP_TIMEOUT_S = 20.0
 READY_PREFIX = "swarmd: serving "
 P2P_PREFIX = "swarmd: p2p listening on "
@@ -137,6 +162,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--keep-logs", type=Path, default=None, help="copy the nodes' logs into this folder"
+    )
+    parser.add_argument(
+        "--delays",
+        default="0,10,40,100",
+        help="one-way link delays (ms) of the two proxied nodes; empty: skip that part",
+    )
+    parser.add_argument(
+        "--long-prompt-tokens", type=int, default=2000, help="about this many prompt tokens"
+    )
+    parser.add_argument(
+        "--cold-wait", type=float, default=60.0, help="quiet seconds before the cold request"
     )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2:
@@ -222,6 +258,7 @@ class NodeProcess:
         cache_dir: Path,
         work_dir: Path,
         bootstrap: str | None,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.layers = layers
@@ -253,6 +290,7 @@ class NodeProcess:
         ]
         if bootstrap:
             cmd += ["--bootstrap", bootstrap]
+        cmd += extra
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log: IO[bytes] = self.log_path.open("wb")
         try:
@@ -419,6 +457,8 @@ class Reply:
     ttft_ms: float
     segments_ms: list[float]
     request_id: str
+    sched_ms: float = 0.0
+    prompt_tokens: int = 0
 
     @property
     def compute_ms(self) -> float:
@@ -456,17 +496,24 @@ class SetupResult:
     runs: list[RunResult] = field(default_factory=list)
     ready_s: float = 0.0
     idle_cpu: CpuUse | None = None
+    long_ttft_ms: list[float] = field(default_factory=list)  # the long prompt's (one only)
+    long_prompt_tokens: int = 0
 
     def median(self, attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in self.runs)
 
 
 def chat(
-    url: str, model_id: str, max_tokens: int, timeout_s: float, nodes: list[NodeProcess]
+    url: str,
+    model_id: str,
+    max_tokens: int,
+    timeout_s: float,
+    nodes: list[NodeProcess],
+    messages: list[dict[str, str]] = MESSAGES,
 ) -> Reply:
     body = {
         "model": model_id,
-        "messages": MESSAGES,
+        "messages": messages,
         "temperature": 0,
         "max_tokens": max_tokens,
         "stream": False,
@@ -494,6 +541,8 @@ def chat(
         ttft_ms=float(timing.get("ttft_ms") or 0.0),
         segments_ms=[float(s["ms"]) for s in segments],
         request_id=headers.get("x-swarm-request-id", ""),
+        sched_ms=float(timing.get("sched_ms") or 0.0),
+        prompt_tokens=int(reply["usage"]["prompt_tokens"]),
     )
 
 
@@ -579,6 +628,17 @@ def run_setup(
                 )
                 result.runs.append(run)
                 print(f"  run {i + 1}: {describe(run, args.quiet_cores)}", flush=True)
+            if name == "one" and args.delays:
+                for _ in range(args.runs):  # the yardstick of the links' TTFT below
+                    wait_quiet(pids, args.quiet_cores, args.quiet_timeout)
+                    probe = long_probe(first.url, model_id, args, nodes)
+                    result.long_ttft_ms.append(probe.ttft_ms)
+                    result.long_prompt_tokens = probe.prompt_tokens
+                print(
+                    f"  a {result.long_prompt_tokens}-token prompt: TTFT "
+                    f"{', '.join(f'{t:.0f}' for t in result.long_ttft_ms)} ms",
+                    flush=True,
+                )
         except BaseException:
             for node in nodes:
                 if not node.alive():
@@ -596,6 +656,93 @@ def run_setup(
                 for node in nodes:
                     with contextlib.suppress(OSError):
                         shutil.copy(node.log_path, args.keep_logs / node.log_path.name)
+    return result
+
+
+def long_probe(
+    url: str, model_id: str, args: argparse.Namespace, nodes: list[NodeProcess]
+) -> Reply:
+    messages = long_messages(args.long_prompt_tokens)
+    return chat(url, model_id, 1, args.request_timeout, nodes, messages)
+
+
+# --- the same two stages over slower links ----------------------------------------------
+
+
+@dataclass
+class WanRow:
+    delay_ms: float
+    ms_per_token: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class WanResult:
+    rows: list[WanRow] = field(default_factory=list)
+    sched_cold_ms: float = 0.0
+
+
+def run_wan(args: argparse.Namespace, ports: list[int]) -> WanResult:
+    """Two stages, each behind a fault proxy: per delay, ms per token and a long TTFT."""
+    delays = [float(d) for d in args.delays.split(",") if d.strip()]
+    result = WanResult()
+    layers = CONFIGS["two"]
+    print(f"\nlinks: 2 nodes [0:15] [15:30], each behind a proxy; one-way delays {delays} ms")
+    nodes: list[NodeProcess] = []
+    proxies: list[FaultProxy] = []
+    with tempfile.TemporaryDirectory(prefix="swarmd-pipeline-wan-") as tmp:
+        try:
+            for i, rng in enumerate(layers):
+                proxy = FaultProxy(ports[2 * i + 1]).start()
+                proxies.append(proxy)
+                boot = None
+                if nodes:  # the first node, through its proxy
+                    boot = f"{proxies[0].addr}/p2p/{nodes[0].multiaddr.rsplit('/p2p/', 1)[1]}"
+                node = NodeProcess(
+                    f"wan{i}",
+                    rng,
+                    (ports[2 * i], ports[2 * i + 1]),
+                    args.cache_dir,
+                    Path(tmp),
+                    boot,
+                    ("--announce-addr", proxy.addr),
+                )
+                nodes.append(node)
+                node.wait_serving(args.startup_timeout)
+            first = nodes[0]
+            model_id = wait_routable(first, nodes, args.swarm_timeout)
+            warm_up(first.url, model_id, args, nodes, time.monotonic() + args.swarm_timeout)
+            if args.cold_wait > 0:
+                print(f"  quiet for {args.cold_wait:g} s, then one request", flush=True)
+                time.sleep(args.cold_wait)
+                cold = chat(first.url, model_id, 2, args.request_timeout, nodes)
+                result.sched_cold_ms = cold.sched_ms
+                print(f"  cold request: sched_ms {cold.sched_ms:.2f}", flush=True)
+            pids = [n.pid for n in nodes]
+            for delay in delays:
+                for proxy in proxies:
+                    proxy.shape(delay_ms=delay, jitter_ms=0)
+                row = WanRow(delay)
+                chat(first.url, model_id, 4, args.request_timeout, nodes)  # links settled
+                for _ in range(args.runs):
+                    wait_quiet(pids, args.quiet_cores, args.quiet_timeout)
+                    reply = chat(first.url, model_id, args.max_tokens, args.request_timeout, nodes)
+                    check_route(reply, layers)
+                    row.ms_per_token.append(reply.decode_ms / (reply.tokens - 1))
+                    row.ttft_ms.append(long_probe(first.url, model_id, args, nodes).ttft_ms)
+                result.rows.append(row)
+                print(
+                    f"  {delay:g} ms each way: {statistics.median(row.ms_per_token):.2f} ms/token, "
+                    f"long-prompt TTFT {statistics.median(row.ttft_ms):.0f} ms",
+                    flush=True,
+                )
+        finally:
+            for node in nodes:
+                node.terminate()
+            for node in nodes:
+                node.stop()
+            for proxy in proxies:
+                proxy.stop()
     return result
 
 
@@ -646,7 +793,7 @@ def contention_notes(results: list[SetupResult], quiet_cores: float) -> list[str
     return notes
 
 
-def report(results: list[SetupResult], args: argparse.Namespace) -> None:
+def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Namespace) -> None:
     by = {r.name: r for r in results}
     print()
     print(
@@ -686,9 +833,32 @@ def report(results: list[SetupResult], args: argparse.Namespace) -> None:
     print(f"CPU ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end):")
     for line in contention_notes(results, args.quiet_cores):
         print(line)
+    extra = ""
+    if wan is not None and wan.rows:
+        one_ttft = statistics.median(by["one"].long_ttft_ms)
+        print()
+        print(
+            f"two stages over delayed links (a {by['one'].long_prompt_tokens}-token prompt; one "
+            f"node's TTFT {one_ttft:.0f} ms; round trip = 2 x delay):"
+        )
+        print(f"  {'delay ms':>9}{'ms/token':>10}{'TTFT ms':>9}{'TTFT - one':>12}{'in RTTs':>9}")
+        by_delay = {}
+        for row in wan.rows:
+            ttft = statistics.median(row.ttft_ms)
+            rtts = (ttft - one_ttft) / (2 * row.delay_ms) if row.delay_ms else float("nan")
+            by_delay[row.delay_ms] = (statistics.median(row.ms_per_token), ttft)
+            print(
+                f"  {row.delay_ms:>9g}{by_delay[row.delay_ms][0]:>10.2f}{ttft:>9.0f}"
+                f"{ttft - one_ttft:>+12.0f}{rtts:>9.2f}"
+            )
+        tpot40, ttft40 = by_delay.get(40.0, (float("nan"), float("nan")))
+        extra = (
+            f" ttft_40ms_over_one={ttft40 / one_ttft:.2f} tpot_40ms_ms={tpot40:.2f}"
+            f" sched_cold_ms={wan.sched_cold_ms:.2f}"
+        )
     print(
         f"RESULT one_ms={ms_tok['one']:.2f} two_ms={ms_tok['two']:.2f} "
-        f"three_ms={ms_tok['three']:.2f} hop_overhead_ms={hop:.2f}"
+        f"three_ms={ms_tok['three']:.2f} hop_overhead_ms={hop:.2f}{extra}"
     )
 
 
@@ -727,13 +897,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     results: list[SetupResult] = []
+    wan: WanResult | None = None
     try:
         for name, layers in CONFIGS.items():
             results.append(run_setup(name, layers, args, pick_ports(args, 2 * len(layers))))
+        if args.delays:
+            wan = run_wan(args, pick_ports(args, 4))
     except BenchError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return 1
-    report(results, args)
+    report(results, wan, args)
     return 0
 
 

@@ -166,6 +166,9 @@ class RecordValidator(Validator):
         self._clock = clock
         self.stats = stats if stats is not None else RecordStats()
         self._admits = admits  # owners whose records may be stored (not banned)
+        # Told of every holder record that passes (stored here, or seen by a lookup): how
+        # a node's view of the holders follows their renewals and withdrawals at once.
+        self.seen: Callable[[NodeRecord], None] | None = None
 
     def validate(self, key: str, value: bytes) -> None:
         try:
@@ -177,6 +180,8 @@ class RecordValidator(Validator):
             log.debug("refused DHT record at %s: %s", safe_text(key), safe_text(exc))
             raise
         self.stats.accept()
+        if self.seen is not None and isinstance(record, NodeRecord):
+            self.seen(record)
 
     def select(self, key: str, values: list[bytes]) -> int:
         now = self._clock()
@@ -741,11 +746,13 @@ async def open_discovery(
     config: DiscoveryConfig | None = None,
     admits: Callable[[str], bool] | None = None,
     serves: Callable[[str], Awaitable[bool]] | None = None,
+    seen: Callable[[NodeRecord], None] | None = None,
 ) -> AsyncIterator[Discovery]:
     """Run a Kademlia DHT server on `host` (random walk off); stop it on exit.
 
     Values are accepted only in namespaces with a validator: "swarmd" (`RecordValidator`)
-    and libp2p's "pk" and "ipns". `admits(owner)`: whose records may be stored.
+    and libp2p's "pk" and "ipns". `admits(owner)`: whose records may be stored; `seen`:
+    told of every holder record that passes the validator.
     `serves(peer_id)`: who may send this node DHT requests at all (a private swarm's
     gate); the stream of a peer it refuses is reset unread, so that peer can neither
     read nor store records here, nor enter the routing table.
@@ -753,6 +760,7 @@ async def open_discovery(
     config = config or DiscoveryConfig()
     _filter_noisy_dht_warning()
     validator = RecordValidator(clock, admits=admits)
+    validator.seen = seen
     dht = KadDHT(host.libp2p, DHTMode.SERVER, enable_random_walk=False, strict_validation=True)
     dht.register_validator(KEY_NAMESPACE, validator)
     if serves is not None:

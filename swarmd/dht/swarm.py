@@ -158,7 +158,9 @@ class SwarmPresence:
                     announce=self.settings.announce,
                     listen=self.settings.listen,
                 ) as host,
-                open_discovery(host, admits=self._not_banned, serves=self._serves_dht) as discovery,
+                open_discovery(
+                    host, admits=self._not_banned, serves=self._serves_dht, seen=self._saw
+                ) as discovery,
                 trio.open_nursery() as nursery,
             ):
                 host.admits = self._admits
@@ -304,6 +306,12 @@ class SwarmPresence:
             # A lookup may miss this node's own record; routes must still see its layers.
             records = [r for r in records if r.peer_id != own.peer_id] + [own]
         return records
+
+    def _saw(self, record: NodeRecord) -> None:
+        """A holder record that passed the DHT's checks: into the view, as `holders` would
+        take it (in a private swarm, once its owner has proved the key)."""
+        if self._gate is None or self._gate.allows(record.peer_id):
+            self.view.saw(record)
 
     async def models(self) -> list[CatalogModel]:
         """The swarm's model catalog, this node's own entries included (hints only: an

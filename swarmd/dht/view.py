@@ -2,14 +2,16 @@
 
 Planning a route must not walk the DHT: a walk took 524 ms on the first request after a
 quiet spell, when a 2 s cache had lapsed. So the view refreshes every model it watches
-every `refresh_s` in the background (trio side), and a read is a dictionary lookup that
-drops the records expired since (a holder that died disappears at its record's expiry
-even if a refresh is late). Only the first read of a model walks the DHT (`fetch`; the
-model is watched from then on); concurrent first reads share that one walk. A model
-nobody reads for `forget_after_s` stops being refreshed, except the `pinned` ones (the
-models this node holds). A failover asks for a refresh at once (`refresh_soon`), so a
-standby that appeared since is seen; what is stale costs that request a failover, never
-a hang: a refresh that fails keeps the last records (they still expire on time).
+every `refresh_s` in the background (trio side), takes at once every holder record this
+node's DHT stores or meets (`saw`: a holder's renewal or withdrawal that reaches this
+node), and a read is a dictionary lookup that drops the records expired since (a holder
+that died disappears at its record's expiry even if a refresh is late). Only the first
+read of a model walks the DHT (`fetch`; the model is watched from then on); concurrent
+first reads share that one walk. A model nobody reads for `forget_after_s` stops being
+refreshed, except the `pinned` ones (the models this node holds). A failover asks for a
+refresh at once (`refresh_soon`), so a standby that appeared since is seen; what is
+stale costs that request a failover, never a hang: a refresh that fails keeps the last
+records (they still expire on time).
 """
 
 from __future__ import annotations
@@ -89,6 +91,19 @@ class HoldersView:
         """A fresh DHT walk whatever the view has (e.g. to check a peer's addresses)."""
         await self._refresh(model_id, force=True)
         return self.read(model_id) or []
+
+    def saw(self, record: NodeRecord) -> None:
+        """A holder record that passed this node's checks (stored here by its owner's
+        renewal, or met by a lookup): a watched model's view takes it at once, when it
+        is that peer's newest (a "draining" record is its withdrawal)."""
+        watched = self._watched.get(record.model_id)
+        if watched is None or not watched.fetched:
+            return
+        held = next((r for r in watched.records if r.peer_id == record.peer_id), None)
+        if held is not None and held.seq >= record.seq:
+            return
+        others = [r for r in watched.records if r.peer_id != record.peer_id]
+        watched.records = others if record.state == "draining" else [*others, record]
 
     def refresh_soon(self) -> None:
         """Refresh the watched models now rather than at the next period (a failover)."""

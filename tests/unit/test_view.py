@@ -149,3 +149,23 @@ def test_lookup_now_walks_even_when_the_view_has_the_model() -> None:
 
     trio.run(main)
     assert dht.calls == [MODEL, MODEL]
+
+
+def test_a_record_seen_on_the_dht_updates_a_watched_model_at_once() -> None:
+    """A holder's renewal or withdrawal that reaches this node's DHT is in the view before
+    the next refresh; an older copy (a replay) changes nothing."""
+    _now, view, dht = clocks()
+
+    async def main() -> None:
+        await view.fetch(MODEL)
+        c = "12D3KooWCCCC"
+        view.saw(route_record(c, 0, 30, 50.0, expires_at=1060.0, seq=5))  # a newcomer
+        assert [r.peer_id for r in view.read(MODEL) or []] == [A, B, c]
+        view.saw(route_record(c, 0, 30, 50.0, expires_at=1060.0, seq=4))  # replayed, older
+        view.saw(route_record(c, 0, 30, 50.0, expires_at=1060.0, seq=6, state="draining"))
+        assert [r.peer_id for r in view.read(MODEL) or []] == [A, B]  # it withdrew
+        view.saw(route_record(A, 0, 15, 50.0, expires_at=1060.0, seq=1, model_id="other"))
+        assert view.read("other") is None  # not watched: nothing to keep current
+
+    trio.run(main)
+    assert dht.calls == [MODEL]
