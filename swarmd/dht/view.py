@@ -29,7 +29,11 @@ from swarmd.net.safe_text import safe_text
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 5.0  # how often a watched model's holders are looked up again
+# How often a watched model's holders are looked up again. A lookup is a few ms of the
+# trio loop's time, which a decode step on this node then waits for: not more often than
+# the records change (renewed every 20 s). Renewals and withdrawals that reach this node
+# (`saw`) and bans (`refresh_soon`) update the view at once in between.
+REFRESH_S = 15.0
 FORGET_AFTER_S = 600.0  # a model nobody read this long is no longer refreshed
 MAX_WATCHED = 64  # models refreshed at once (the catalog lists at most this many)
 

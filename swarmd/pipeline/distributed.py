@@ -214,7 +214,7 @@ class DistributedChain:
         return await self._run([token_ids], want_token, _go_on)
 
     async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
-        """The prompt's chunks, pipelined: up to one chunk per stage in flight."""
+        """The prompt's chunks, pipelined: up to one chunk per stage in flight, and one more."""
         token = await self._run(chunks, True, before_each)
         if token is None:
             raise InternalError("prefill produced no token")
@@ -252,8 +252,11 @@ class DistributedChain:
     # --- the failover loop ---------------------------------------------------------------
 
     def _window(self) -> int:
-        """Steps in flight on the ring: one per stage keeps every stage busy."""
-        return len(self.route.stages)
+        """Steps in flight on the ring: one per stage keeps every stage busy, and one
+        more covers the links' round trip (the next chunk is on its way to stage 0 while
+        the last stage's answer travels back; measured over 40 ms links, one per stage
+        alone left stage 0 idle for a round trip per chunk)."""
+        return len(self.route.stages) + 1
 
     async def _run(
         self, steps: list[list[int]], want_last: bool, before_each: Callable[[], None]
@@ -298,13 +301,29 @@ class DistributedChain:
                 await self._fail_over(exc)
 
     def _measure(self, reply: wire.TokenReply, round_trip_s: float) -> None:
-        """Each remote stage's ms per layer in a one-token step, for route planning. A
-        stage reports its own compute time; no report may exceed the step's whole round
-        trip, which this node timed itself."""
-        limit_ms = round_trip_s * 1000.0
-        for stage, stage_ms in zip(self.route.stages, reply.stage_ms, strict=False):
-            if not stage.local:
-                self._access.measured(stage.peer_id, min(stage_ms, limit_ms) / stage.layers.size)
+        """Each remote stage's ms per layer in a one-token step, for route planning.
+
+        The step's round trip, which this node timed itself, is what the planner must
+        predict: each stage's reported compute (capped by that round trip), plus the
+        time no report and no link explains (the round trip less every stage's compute
+        and the remote stages' measured RTTs), shared among the remote stages by their
+        layers. So a stage slow outside its compute (an overloaded host, a slow link) is
+        charged for it, and one that under-reports its compute gains nothing: in a route
+        of one remote stage the whole round trip lands on it.
+        """
+        total_ms = round_trip_s * 1000.0
+        stages = list(zip(self.route.stages, reply.stage_ms, strict=False))
+        remote = [(stage, min(ms, total_ms)) for stage, ms in stages if not stage.local]
+        if not remote:
+            return
+        rtt = self._access.rtt_ms()
+        explained = sum(min(ms, total_ms) for _, ms in stages)
+        explained += sum(rtt.get(stage.peer_id, 0.0) for stage, _ in remote)
+        unexplained = max(0.0, total_ms - explained)
+        layers = sum(stage.layers.size for stage, _ in remote)
+        for stage, ms in remote:
+            share = unexplained * stage.layers.size / layers
+            self._access.measured(stage.peer_id, (ms + share) / stage.layers.size)
 
     def _account(self, reply: wire.TokenReply) -> None:
         for i, stage_ms in enumerate(reply.stage_ms[: len(self._stage_s)]):

@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NodeProcess, http_json
-from tests.e2e.test_pipeline import HOSTILE, Swarm, chat_body, complete, swarm_env
-
-__all__ = ["swarm_env"]  # the fixture, used by name
+from tests.e2e.test_pipeline import HOSTILE, Swarm, chat_body, complete
 
 pytestmark = pytest.mark.e2e
 

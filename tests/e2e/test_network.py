@@ -12,7 +12,9 @@ link, and through any failover, equals it token for token.
 from __future__ import annotations
 
 import socket
+import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ import pytest
 
 from swarmd.net.identity import load_or_create_identity
 from tests.conftest import NodeProcess, running_node, start_node, wait_until
-from tests.e2e.test_pipeline import LONG_PROMPT, Stream, chat_body, complete
+from tests.e2e.test_pipeline import LONG_PROMPT, Stream, Swarm, chat_body, complete
 from tests.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.e2e
@@ -220,14 +222,6 @@ def test_replies_through_a_10_mbit_link_equal_one_nodes(
 # --- a stage black-holed or reset mid-stream (a tiny model: fresh swarms start fast) ----
 
 
-@pytest.fixture(scope="module")
-def tiny_reference(
-    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[NodeProcess]:
-    with running_node(tmp_path_factory, "tiny-ref", ["--model", str(tiny_chat_dir)]) as node:
-        yield node
-
-
 @pytest.fixture
 def tiny_wan(tmp_path: Path, tiny_chat_dir: Path, swarm_env: None) -> Iterator[ProxiedSwarm]:
     swarm = ProxiedSwarm(tmp_path, ["--model", str(tiny_chat_dir)])
@@ -235,11 +229,6 @@ def tiny_wan(tmp_path: Path, tiny_chat_dir: Path, swarm_env: None) -> Iterator[P
         yield swarm
     finally:
         swarm.stop()
-
-
-@pytest.fixture
-def swarm_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SWARMD_TORCH_THREADS", "1")
 
 
 def stream_body(tiny_reference: NodeProcess, max_tokens: int) -> dict[str, Any]:
@@ -372,3 +361,42 @@ def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
     finally:
         for node in nodes:
             node.stop()
+
+
+# --- placement on measured speed ----------------------------------------------------------
+
+SLOW = [sys.executable, str(Path(__file__).with_name("slow_node.py"))]
+
+
+def test_a_stage_slower_than_its_record_claims_is_avoided_once_measured(
+    tmp_path: Path, test_cache_dir: Path, embedded_node: NodeProcess, swarm_env: None
+) -> None:
+    """s holds 15:30 and claims a huge throughput, but every forward takes it 5x as long
+    (outside the compute it reports); b2 holds 15:30 too and claims a modest one. The
+    first plan believes s's claim; once a decode has measured s, a routes through b2."""
+    swarm = Swarm(tmp_path, ["--cache-dir", str(test_cache_dir)])
+    try:
+        swarm.start([("a", "0:15", None), ("s", "15:30", [*SLOW, "slow"])])
+        swarm._start_one("b2", "15:30", [*SLOW, "claim:30"], swarm["a"].p2p_addrs[0])
+        swarm.wait_holders("a", 3)
+        swarm.wait_rtts("a", ["s", "b2"])
+        slow, fast = swarm.short_id("s"), swarm.short_id("b2")
+        body = chat_body("What is the capital of France?", 8)
+        reference, _ = complete(embedded_node, body)
+        routes = []
+        for _ in range(5):
+            reply, headers = complete(swarm["a"], body)
+            assert ids(reply) == ids(reference)
+            routes.append(headers["x-swarm-nodes"].split(",")[1])
+        assert routes[0] == slow, routes  # its claim decided the first plan
+        assert routes[1:] == [fast] * 4, routes  # measured once: avoided from then on
+        peers = {p["short_id"]: p for p in swarm["a"].get_json("/api/peers")["peers"]}
+        assert peers[slow]["layer_ms"] > 3 * peers[fast]["layer_ms"], peers
+        assert "ms/layer" in urlopen_text(swarm["a"].url + "/api/admin/diagnostics")
+    finally:
+        swarm.stop()
+
+
+def urlopen_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import NodeProcess, http_json, running_node, start_node, wait_until
+from tests.conftest import NodeProcess, http_json, start_node, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -107,11 +107,6 @@ class Swarm:
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
-
-
-@pytest.fixture
-def swarm_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SWARMD_TORCH_THREADS", "1")  # nodes share two cores
 
 
 def chat_body(prompt: str, max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -445,14 +440,6 @@ def test_a_killed_range_without_standby_ends_the_stream_with_an_error(swarm: Swa
 
 
 # --- a stage that sends garbage ---------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_reference(
-    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[NodeProcess]:
-    with running_node(tmp_path_factory, "tiny-ref", ["--model", str(tiny_chat_dir)]) as node:
-        yield node
 
 
 @pytest.mark.parametrize("mode", ["shape", "dtype", "nan"])

@@ -72,12 +72,13 @@ class FakeSwarm:
         self.records = records
         self.bans: list[tuple[str, str]] = []
         self.measurements: dict[str, float] = {}
+        self.rtt: dict[str, float] = {}
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
         return self.records
 
     def rtt_ms(self) -> dict[str, float]:
-        return {}
+        return dict(self.rtt)
 
     def layer_ms(self) -> dict[str, float]:
         return dict(self.measurements)
@@ -247,13 +248,8 @@ def make_ring(route: tuple[str, ...], me: str = COORD) -> Ring:
     return Ring(service, request, RingTimeouts(), 100)  # type: ignore[arg-type]
 
 
-def judge(
-    monkeypatch: pytest.MonkeyPatch,
-    ring: Ring,
-    frame: dict[str, Any],
-    source: str,
-    silent: frozenset[str] = frozenset(),
-) -> tuple[SwarmError, list[str]]:
+def fake_pings(monkeypatch: pytest.MonkeyPatch, silent: frozenset[str]) -> list[str]:
+    """The ring's pings answered by every peer but the `silent` ones; the peers pinged."""
     pinged: list[str] = []
 
     async def fake_ping(host: object, peer_id: str, timeout_s: float, rounds: int) -> None:
@@ -262,6 +258,17 @@ def judge(
             raise PeerError("no answer", peer_id)
 
     monkeypatch.setattr(ring_module, "call_ping", fake_ping)
+    return pinged
+
+
+def judge(
+    monkeypatch: pytest.MonkeyPatch,
+    ring: Ring,
+    frame: dict[str, Any],
+    source: str,
+    silent: frozenset[str] = frozenset(),
+) -> tuple[SwarmError, list[str]]:
+    pinged = fake_pings(monkeypatch, silent)
 
     async def run() -> SwarmError:
         return await ring._judge(wire.parse_fail(frame), source)
@@ -400,14 +407,7 @@ def test_a_stalled_step_blames_a_stage_that_stops_answering_pings_at_once(
     ring = make_ring((LIAR, HONEST, LAST))
     ring._timeouts = RingTimeouts(step_s=60.0, stall_s=4.0)
     ring._sent_at.append(0.0)
-    pinged: list[str] = []
-
-    async def fake_ping(host: object, peer_id: str, timeout_s: float, rounds: int) -> None:
-        pinged.append(peer_id)
-        if peer_id in silent:
-            raise PeerError("no answer", peer_id)
-
-    monkeypatch.setattr(ring_module, "call_ping", fake_ping)
+    pinged = fake_pings(monkeypatch, silent)
 
     async def run() -> tuple[StageFailedError, float]:
         started = trio.current_time()
@@ -422,3 +422,18 @@ def test_a_stalled_step_blames_a_stage_that_stops_answering_pings_at_once(
     else:
         assert (error.peer_id, waited) == (None, 60.0)
         assert len(pinged) == 3 * 15  # every stage at each of the 14 stalls and at the end
+
+
+def test_a_stage_that_under_reports_its_compute_is_charged_the_round_trip() -> None:
+    """In a route of one remote stage, the time no report and no link explains is that
+    stage's: claiming 0 ms gains it nothing."""
+    records = [record(COORD, 0, 20, 1000.0), record(LIAR, 20, 30, 1e6)]
+    swarm = FakeSwarm(records)
+    route = plan_route(MODEL, L, COORD, records, need_tokens=100)
+    assert route.peers == (COORD, LIAR) and route.stages[0].local
+    chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
+    chain._measure(wire.TokenReply(0, 7, (8.0, 0.0), 0), round_trip_s=0.058)
+    assert swarm.measurements == {LIAR: pytest.approx(5.0)}  # (58 - 8) ms over 10 layers
+    swarm.rtt = {LIAR: 20.0}  # the link explains part of it
+    chain._measure(wire.TokenReply(1, 7, (8.0, 0.0), 0), round_trip_s=0.058)
+    assert swarm.measurements == {LIAR: pytest.approx(3.0)}
