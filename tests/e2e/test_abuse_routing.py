@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import NodeProcess, http_json
-from tests.e2e.test_pipeline import HOSTILE, Swarm, chat_body, complete
+from tests.e2e.test_pipeline import HOSTILE, LAGGING, Swarm, chat_body, complete
 
 pytestmark = pytest.mark.e2e
 
@@ -34,12 +34,14 @@ def model_id(node: NodeProcess) -> str:
 
 
 def start_around(swarm: Swarm, name: str, mode: str) -> None:
-    """a (0:2), the hostile `name` and the honest b (2:3), c (3:4); a has pinged them all."""
+    """a (0:2), the hostile `name` and the honest b (2:3), c (3:4); a has pinged them all.
+    b lags 20 ms a step: planning goes by measured speed, and a measured b that is not
+    slow would win the plans against the hostile stage's claim whenever its RTT is lower."""
     swarm.start(
         [
             ("a", "0:2", None),
             (name, "2:3", [*HOSTILE, mode]),
-            ("b", "2:3", None),
+            ("b", "2:3", [*LAGGING]),
             ("c", "3:4", None),
         ]
     )

@@ -26,6 +26,7 @@ from tests.conftest import NodeProcess, http_json, start_node, wait_until
 pytestmark = pytest.mark.e2e
 
 HOSTILE = [sys.executable, str(Path(__file__).with_name("hostile_node.py"))]
+LAGGING = [sys.executable, str(Path(__file__).with_name("slow_node.py")), "lag:20"]
 LONG_PROMPT = "Summarise this text in one sentence. " + " ".join(
     f"Line {i}: the harbour lights were lit at dusk and the boats came home." for i in range(25)
 )
@@ -452,7 +453,9 @@ def test_a_hostile_stage_is_banned_and_routed_around(
             [
                 ("a", "0:2", None),
                 ("h", "2:3", [*HOSTILE, mode]),
-                ("b2", "2:3", None),
+                # Lagging: planning goes by measured speed, and a measured b2 that is not
+                # slow would win the plans against h's claim whenever its RTT is lower.
+                ("b2", "2:3", [*LAGGING]),
                 ("c", "3:4", None),
             ]
         )
