@@ -265,16 +265,19 @@ def peers(url: Url = DEFAULT_URL, token: Token = None) -> None:
 
     report = _ask(get_json(url, "/api/peers", token))
     table = Table(title=f"peers of {report['peer_id']}")
-    for column in ("peer", "connected", "rtt ms", "last seen", "serves", "failures"):
+    for column in ("peer", "connected", "rtt ms", "ms/layer", "last seen", "serves", "failures"):
         table.add_column(column)
     for peer in report["peers"]:
         serves = ", ".join(
             f"{s['model']} {s['layers'][0]}:{s['layers'][1]} ({s['state']})" for s in peer["serves"]
         )
         rtt = "-" if peer["rtt_ms"] is None else f"{peer['rtt_ms']:.1f}"
+        # Measured by this node's routes (what planning uses); an older node has none.
+        layer = "-" if peer.get("layer_ms") is None else f"{peer['layer_ms']:.2f}"
         seen = "-" if peer["last_seen_s"] is None else f"{peer['last_seen_s']:.0f} s ago"
         connected = "yes" if peer["connected"] else "no"
-        table.add_row(peer["peer_id"], connected, rtt, seen, serves or "-", str(peer["failures"]))
+        failures = str(peer["failures"])
+        table.add_row(peer["peer_id"], connected, rtt, layer, seen, serves or "-", failures)
     console = Console()
     console.print(table)
     for ban in report["bans"]:

@@ -8,8 +8,9 @@ node), and a read is a dictionary lookup that drops the records expired since (a
 that died disappears at its record's expiry even if a refresh is late). Only the first
 read of a model walks the DHT (`fetch`; the model is watched from then on); concurrent
 first reads share that one walk. A model nobody reads for `forget_after_s` stops being
-refreshed, except the `pinned` ones (the models this node holds). A failover asks for a
-refresh at once (`refresh_soon`), so a standby that appeared since is seen; what is
+refreshed, except the `pinned` ones (the models this node holds). A ban (a failover makes
+one) asks for a refresh at once (`refresh_soon`), so a standby that appeared since is
+seen; what is
 stale costs that request a failover, never a hang: a refresh that fails keeps the last
 records (they still expire on time).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -68,7 +69,6 @@ class HoldersView:
         self._watched: dict[str, _Watched] = {}
         self.pinned: set[str] = set()  # always refreshed (the models this node holds)
         self._wake = trio.Event()
-        self.lookups = 0  # DHT walks made (for tests and diagnostics)
 
     def read(self, model_id: str) -> list[NodeRecord] | None:
         """The model's live holders as last looked up, without the expired ones; None
@@ -110,11 +110,8 @@ class HoldersView:
         watched.records = others if record.state == "draining" else [*others, record]
 
     def refresh_soon(self) -> None:
-        """Refresh the watched models now rather than at the next period (a failover)."""
+        """Refresh the watched models now rather than at the next period (after a ban)."""
         self._wake.set()
-
-    def watched(self) -> Collection[str]:
-        return list(self._watched)
 
     async def run(self, report: Callable[[str, Exception], None]) -> None:
         """Refresh every watched model each `refresh_s` (at once when woken); forever. A
@@ -154,7 +151,6 @@ class HoldersView:
                 return
         watched.busy = trio.Event()
         try:
-            self.lookups += 1
             watched.records = await self._lookup(model_id)
             watched.fetched = True
         except SwarmError as exc:  # the last records stay; they still expire on time

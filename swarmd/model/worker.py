@@ -74,10 +74,6 @@ class Ticket:
         self.started_at: float | None = None  # monotonic seconds; None while queued
 
     @property
-    def started(self) -> bool:
-        return self.state != _QUEUED
-
-    @property
     def finished(self) -> bool:
         return self.state in (_DONE, _SKIPPED)
 

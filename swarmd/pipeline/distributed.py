@@ -187,6 +187,9 @@ class DistributedChain:
         self._activation_bytes = 0
         self._attempt = 0
         self._vouched = False  # this ring's peers are in the ledger as having served
+        # The route's remote stages' RTTs as this ring was built (`_measure` reads them
+        # every decode step; the peer table's whole snapshot is not for a hot path).
+        self._link_ms = self._route_rtts()
         self._kept = kept
         self._resume = resume  # tried on the first ring only
         self._reused = 0
@@ -300,6 +303,10 @@ class DistributedChain:
                     raise
                 await self._fail_over(exc)
 
+    def _route_rtts(self) -> dict[str, float]:
+        rtt = self._access.rtt_ms()
+        return {peer: rtt[peer] for peer in self.route.peers if peer in rtt}
+
     def _measure(self, reply: wire.TokenReply, round_trip_s: float) -> None:
         """Each remote stage's ms per layer in a one-token step, for route planning.
 
@@ -316,7 +323,7 @@ class DistributedChain:
         remote = [(stage, min(ms, total_ms)) for stage, ms in stages if not stage.local]
         if not remote:
             return
-        rtt = self._access.rtt_ms()
+        rtt = self._link_ms
         explained = sum(min(ms, total_ms) for _, ms in stages)
         explained += sum(rtt.get(stage.peer_id, 0.0) for stage, _ in remote)
         unexplained = max(0.0, total_ms - explained)
@@ -355,6 +362,7 @@ class DistributedChain:
         )
         self._ring = ring
         self._vouched = False
+        self._link_ms = self._route_rtts()
         await self._access.in_trio(ring.open)
         if request.resume is not None and resume is not None:
             if ring.reused == resume.length:

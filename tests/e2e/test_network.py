@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,26 @@ def test_replies_over_40_ms_links_with_jitter_equal_one_nodes(
         wan.shape(delay_ms=0, jitter_ms=0)
 
 
+def test_several_sessions_at_once_over_40_ms_links_each_equal_one_nodes(
+    wan: ProxiedSwarm, embedded_node: NodeProcess
+) -> None:
+    """Sessions share the stages and the delayed links, their prompts' chunks pipelined
+    (one to six chunks each) and their decode steps batched: each reply is its own."""
+    prompts = ["Name three rivers.", LONG_PROMPT, " ".join([LONG_PROMPT] * 3)]
+    bodies = [chat_body(prompt, 10 + 3 * i) for i, prompt in enumerate(prompts)]
+    references = [ids(complete(embedded_node, body)[0]) for body in bodies]
+    wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    try:
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            replies = list(pool.map(lambda body: complete(wan["a"].node, body)[0], bodies))
+    finally:
+        wan.shape(delay_ms=0, jitter_ms=0)
+    for reply, reference in zip(replies, references, strict=True):
+        assert ids(reply) == reference
+        assert reply["swarm"]["failovers"] == 0
+    assert replies[2]["usage"]["prompt_tokens"] > 5 * 256
+
+
 def test_a_long_prompt_over_40_ms_links_pays_the_latency_about_once(
     wan: ProxiedSwarm, one_thread_node: NodeProcess
 ) -> None:
@@ -260,20 +281,28 @@ def test_a_stage_cut_off_mid_stream_fails_over_to_its_standby_with_the_same_text
     start_with_standby(tiny_wan)
     body = stream_body(tiny_reference, 60)
     expected = reference_text(tiny_reference, body)
+    # A second session at once, on whichever holder its plan takes: it must come through
+    # the same cut with its own text, failed over only if the cut stage was on its route.
+    other_body = {**body, "max_tokens": 50, "messages": [{"role": "user", "content": "Hi."}]}
+    other_expected = reference_text(tiny_reference, other_body)
     tiny_wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
     stream = Stream(tiny_wan["a"].node, body)
+    other = Stream(tiny_wan["a"].node, other_body)
     on_route = stream.headers["x-swarm-nodes"].split(",")[1]
+    other_route = other.headers["x-swarm-nodes"].split(",")[1]
     victim = next(n for n in ("b", "b2") if short(tiny_wan[n]) == on_route)
-    events = stream.events()
+    events, other_events = stream.events(), other.events()
     while stream.content_events < 5:
         next(events)
+    while other.content_events < 5:
+        next(other_events)
     cut = time.monotonic()
     if fault == "black hole":
         tiny_wan.black_hole(victim)
     else:
         assert tiny_wan.reset(victim) > 0
-    for _ in events:
-        pass
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(lambda rest: [None for _ in rest], [events, other_events]))
     took = time.monotonic() - cut
     tiny_wan.heal()
     assert stream.done and stream.errors == [] and stream.finish_reason == "length"
@@ -281,6 +310,10 @@ def test_a_stage_cut_off_mid_stream_fails_over_to_its_standby_with_the_same_text
     assert stream.swarm is not None and stream.swarm["failovers"] == 1
     assert on_route not in stream.swarm["nodes"]
     assert took < 15.0, took
+    assert other.done and other.errors == [] and other.text == other_expected
+    assert other.swarm is not None
+    assert other.swarm["failovers"] == (1 if other_route == on_route else 0)
+    assert on_route not in other.swarm["nodes"]
     log = tiny_wan["a"].node.log_text()
     assert "DIAG: stage failed request_id=" in log and f"peer={on_route} kind=lost" in log
 
@@ -351,6 +384,15 @@ def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
             assert headers["x-swarm-route"] == "relayed"
             assert headers["x-swarm-nodes"].split(",")[1] == second.health()["short_id"]
             assert reply["swarm"]["failovers"] == 0
+        bodies = [
+            {**chat_body(f"Tell me about {topic}.", 8 + 4 * i), "model": tiny_reference.model_id}
+            for i, topic in enumerate(("the sea", "rivers", "mountains"))
+        ]
+        expected = [ids(complete(tiny_reference, b)[0]) for b in bodies]
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:  # sessions at once
+            at_once = list(pool.map(lambda b: complete(first, b), bodies))
+        for (reply, headers), want in zip(at_once, expected, strict=True):
+            assert ids(reply) == want and headers["x-swarm-route"] == "relayed"
         diag = f"route=relayed segments=2 model={tiny_reference.model_id}"
         assert (
             diag in first.log_text()

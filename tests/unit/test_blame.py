@@ -434,6 +434,7 @@ def test_a_stage_that_under_reports_its_compute_is_charged_the_round_trip() -> N
     chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
     chain._measure(wire.TokenReply(0, 7, (8.0, 0.0), 0), round_trip_s=0.058)
     assert swarm.measurements == {LIAR: pytest.approx(5.0)}  # (58 - 8) ms over 10 layers
-    swarm.rtt = {LIAR: 20.0}  # the link explains part of it
+    swarm.rtt = {LIAR: 20.0}  # the link explains part of it (RTTs are taken per ring)
+    chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
     chain._measure(wire.TokenReply(1, 7, (8.0, 0.0), 0), round_trip_s=0.058)
     assert swarm.measurements == {LIAR: pytest.approx(3.0)}
