@@ -125,6 +125,13 @@ def run(
             help="Relay circuits for peers that take no inbound connection (with limits).",
         ),
     ] = None,
+    reachability: Annotated[
+        str | None,
+        typer.Option(
+            help="auto: peers dial this node back to find out whether they can reach it "
+            "(behind NAT it then takes a relay slot); public or private: take it as said."
+        ),
+    ] = None,
     announce_addr: Annotated[
         list[str] | None,
         typer.Option(
@@ -160,6 +167,7 @@ def run(
         "announce_addrs": tuple(announce_addr) if announce_addr else None,
         "no_listen": no_listen,
         "relay_service": relay_service,
+        "reachability": reachability,
         "swarm_key": str(swarm_key) if swarm_key else None,
     }
     if verbose:

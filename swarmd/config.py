@@ -108,6 +108,9 @@ class Config:
     no_listen: bool = False  # take no inbound connection (behind NAT): dial out, and be
     # reached through a relay among the peers (a slot reserved there, its address announced)
     relay_service: bool = False  # relay circuits for peers that take no inbound connection
+    # auto: peers dial this node back to find out whether it is reachable, and one behind
+    # NAT takes a relay slot; public / private: take it as said (private: use a relay)
+    reachability: str = "auto"
     relay_max_reservations: int = 32  # peers holding a relay slot here at once
     relay_max_circuits_per_peer: int = 8  # circuits to one such peer at once
     relay_circuit_duration_s: int = 3600  # one relayed circuit's life (0 = unlimited)
@@ -207,6 +210,10 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bootstrap": (
         lambda v: all(a.startswith("/") and "/p2p/" in a for a in v),
         "multiaddrs with a peer id, like /ip4/1.2.3.4/tcp/8810/p2p/12D3KooW...",
+    ),
+    "reachability": (
+        lambda v: v in ("auto", "public", "private"),
+        "auto (peers dial this node back), public or private",
     ),
     "relay_max_reservations": (lambda v: 1 <= v <= 4096, "in 1..4096"),
     "relay_max_circuits_per_peer": (lambda v: 1 <= v <= 1024, "in 1..1024"),

@@ -620,6 +620,7 @@ def _swarm_settings(config: Config) -> SwarmSettings:
         known_peers_path=Path(config.data_dir).expanduser() / KNOWN_PEERS_FILE,
         announce=config.announce_addrs,
         listen=not config.no_listen,
+        reachability=config.reachability,
         relay=RelaySettings(
             serve=config.relay_service,
             max_reservations=config.relay_max_reservations,

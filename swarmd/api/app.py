@@ -99,6 +99,9 @@ async def health(request: web.Request) -> web.Response:
         "peer_id": node.identity.peer_id,
         "short_id": node.identity.short_id,
         "addrs": node.listen_addrs(),
+        # Whether peers can dial this node: "public", "private" (reached through a relay)
+        # or "unknown" (not checked yet); see swarmd.net.dialback.
+        "reachability": node.swarm.reachability,
         "uptime_s": round(time.monotonic() - node.started_at, 1),
         # The models this node holds layers of (none: it only coordinates).
         "models": [

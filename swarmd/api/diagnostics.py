@@ -195,6 +195,8 @@ def _section_addresses(node: Node) -> str:
     announced = node.listen_addrs()
     if announced != addrs:  # --announce-addr, or a relay: what peers are told to dial
         lines += ["announced as:", *announced]
+    detail = node.swarm.reachability_detail
+    lines.append(f"reachability: {detail or node.swarm.reachability}")
     return "\n".join(lines)
 
 

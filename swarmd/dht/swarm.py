@@ -32,6 +32,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.dht.view import HoldersView
 from swarmd.errors import ConfigError, InternalError, PeerError, SwarmError
 from swarmd.net.auth import SwarmKey
+from swarmd.net.dialback import DialBackService, Verdict, judge
 from swarmd.net.gate import SwarmGate
 from swarmd.net.host import P2PHost, check_peer_addr, open_host
 from swarmd.net.identity import Identity
@@ -52,6 +53,10 @@ JOIN_RETRY_MIN_S = 1.0  # the first retry of unreachable bootstrap peers ...
 JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met within it
 RELAY_CHECK_S = 2.0  # how often a node without inbound connections checks its relay slot
 RESERVE_TIMEOUT_S = 10.0  # one reservation on a relay
+REACHABILITY_RECHECK_S = 600.0  # how often a verdict on this node's reachability is checked
+REACHABILITY_RETRY_S = 30.0  # ... and how soon after no peer could answer
+REACHABILITY_ASK = 3  # peers asked to dial this node back at once
+REACHABILITY = ("auto", "public", "private")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class SwarmSettings:
     announce: tuple[str, ...] = ()  # what peers must dial instead of the listen address
     listen: bool = True  # False: no inbound connection; reached through a relay
     relay: RelaySettings = field(default_factory=RelaySettings)
+    # "auto": peers dial this node back to find out whether it is reachable (a node behind
+    # NAT then takes a relay slot); "public"/"private": take it as said, ask nobody.
+    reachability: str = "auto"
 
 
 class SwarmPresence:
@@ -105,6 +113,13 @@ class SwarmPresence:
         self.relay: Relay | None = None
         self._gate: SwarmGate | None = None
         self._rpc: RpcService | None = None
+        # "public", "private" (reached through a relay, if one holds a slot) or "unknown"
+        # (not checked yet, or no peer could answer).
+        self.reachability = "private" if not settings.listen else settings.reachability
+        if self.reachability == "auto":
+            self.reachability = "unknown"
+        self.reachability_detail = ""  # what the last check found, for diagnostics
+        self._said_no_relay = False  # the warning that no peer relays, said once
         # The holders of the models this node routes, refreshed in the background: a
         # route is planned from it without walking the DHT.
         self.view = HoldersView(self.holders)
@@ -167,6 +182,7 @@ class SwarmPresence:
                 host.misbehaved = self.ban
                 self._host = host
                 self._rpc = RpcService(host)
+                DialBackService(host).register(self._rpc)
                 self.relay = Relay(host.libp2p, self.settings.relay, self._admits)
                 await nursery.start(self.relay.run)
                 host.circuit_dialer = self.relay.dial
@@ -184,8 +200,7 @@ class SwarmPresence:
                     await self._join(discovery)
                     nursery.start_soon(self._stay_joined, discovery)
                     nursery.start_soon(self.view.run, self.loop_errors.report)
-                    if not self.settings.listen:
-                        nursery.start_soon(self._stay_reachable)
+                    nursery.start_soon(self._stay_reachable)
                     if self._make_records is None:
                         self._ready.set()
                         await trio.sleep_forever()
@@ -429,18 +444,71 @@ class SwarmPresence:
         return reached
 
     async def _stay_reachable(self) -> None:
-        """A node that takes no inbound connection keeps a slot on a relay among its
-        connected peers, and announces that relay's circuit address (again whenever it
-        moves to another relay)."""
+        """A node that takes no inbound connection, or that peers found they cannot dial
+        (behind NAT), keeps a slot on a relay among its connected peers and announces that
+        relay's circuit address (again whenever it moves to another relay). With
+        `reachability` "auto", peers are asked to dial it back after it joins and every
+        REACHABILITY_RECHECK_S; a node found reachable again drops the circuit addresses."""
         relay = self.relay
         if relay is None:
             return
+        checks = self.settings.listen and self.settings.reachability == "auto"
+        next_check = 0.0
         while True:
             try:
-                await self._keep_relay_slot(relay)
+                if checks and trio.current_time() >= next_check and not self.joining:
+                    next_check = trio.current_time() + await self._check_reachability()
+                if self.reachability == "private":
+                    await self._keep_relay_slot(relay)
+                elif self.host.relayed:
+                    await self._leave_relay(relay)
             except Exception as exc:  # one bad round must not end it
                 self.loop_errors.report("relay", exc)
             await trio.sleep(RELAY_CHECK_S)
+
+    async def _check_reachability(self) -> float:
+        """Ask a few connected peers to dial this node back; the seconds until the next
+        check."""
+        host = self.host
+        now = time.time()
+        peers = [p for p in host.connected_peers() if not self.peers.is_banned(p, now)]
+        if not peers:
+            return RELAY_CHECK_S  # nobody to ask yet
+        verdict = await judge(host, peers[:REACHABILITY_ASK], host.direct)
+        self._take_verdict(verdict)
+        return REACHABILITY_RETRY_S if verdict.reachability == "unknown" else REACHABILITY_RECHECK_S
+
+    def _take_verdict(self, verdict: Verdict) -> None:
+        if verdict.reachability == "unknown":
+            self.reachability_detail = f"not known: {verdict.detail}"
+            log.info("reachability not known: %s", verdict.detail)
+            return
+        before = self.reachability
+        self.reachability = verdict.reachability
+        if verdict.reachability == "public":
+            self.reachability_detail = (
+                f"public: {verdict.asked} peer(s) dialed it back at {', '.join(verdict.reached)}"
+            )
+        else:
+            self.reachability_detail = (
+                f"private: {verdict.asked} peer(s) dialed {', '.join(self.host.direct)} "
+                "and reached nothing; reached through a relay"
+            )
+        if before != self.reachability:
+            log.warning(
+                "DIAG: reachability %s asked=%d reached=%s",
+                self.reachability,
+                verdict.asked,
+                ",".join(verdict.reached) or "-",
+            )
+
+    async def _leave_relay(self, relay: Relay) -> None:
+        """Found reachable: peers are told the direct addresses again."""
+        relay.reserved_on = None
+        self.host.relayed = []
+        log.warning("DIAG: reachable directly; circuit addresses withdrawn")
+        if self._ready.is_set():
+            await self._announce()
 
     async def _keep_relay_slot(self, relay: Relay) -> None:
         host = self.host
@@ -457,6 +525,7 @@ class SwarmPresence:
             if self.peers.is_banned(peer_id, now) or not addrs:
                 continue
             if await relay.reserve(peer_id, RESERVE_TIMEOUT_S):
+                self._said_no_relay = False
                 host.relayed = [f"{addr}/p2p-circuit" for addr in addrs]
                 log.warning(
                     "DIAG: reachable through relay relay=%s addrs=%s",
@@ -466,6 +535,13 @@ class SwarmPresence:
                 if self._ready.is_set():
                     await self._announce()
                 return
+        if not self._said_no_relay:
+            self._said_no_relay = True
+            log.warning(
+                "DIAG: no relay among %d connected peer(s); peers that are not connected "
+                "to this node cannot reach it (run a reachable node with --relay-service)",
+                len(host.connected_peers()),
+            )
 
     def _remember_peers(self) -> None:
         host = self.host

@@ -175,6 +175,14 @@ class P2PHost:
         return self.addrs
 
     @property
+    def direct(self) -> list[str]:
+        """The full direct multiaddrs of this node, relay or not: the announced ones when
+        it was given any, else `addrs` (what a dial-back check asks peers to dial)."""
+        if self._advertised.announce:
+            return [f"{addr}/p2p/{self.peer_id}" for addr in self._advertised.announce]
+        return self.addrs
+
+    @property
     def port(self) -> int:
         """The TCP port it listens on (the real one when 0 was asked for)."""
         for addr in self._host.get_transport_addrs():

@@ -410,6 +410,71 @@ def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
 SLOW = [sys.executable, str(Path(__file__).with_name("slow_node.py"))]
 
 
+def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
+    tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
+) -> None:
+    """A node that listens, but at an address peers cannot reach (what it announces takes
+    connections and never answers, as a NAT that drops them), is told so by the peers it
+    asks to dial it back; it takes a relay slot by itself and its stage is served through
+    the relay. The nodes peers can dial find themselves public and stay direct."""
+    nodes: list[NodeProcess] = []
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+
+    def start(name: str, *args: str) -> NodeProcess:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        common = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
+        nodes.append(start_node([*common, *args], workdir))
+        return nodes[-1]
+
+    try:
+        relay = start("relay", "--no-model", "--relay-service")
+        boot = ["--bootstrap", relay.p2p_addrs[0], "--model", str(tiny_chat_dir)]
+        first = start("first", *boot, "--layers", "0:2")
+        dead = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}"
+        hidden = start("hidden", *boot, "--layers", "2:4", "--announce-addr", dead)
+
+        def relayed(node: NodeProcess) -> bool:
+            report = node.health()
+            addrs = report["addrs"]
+            return (
+                report["reachability"] == "private"
+                and bool(addrs)
+                and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
+            )
+
+        assert wait_until(lambda: relayed(hidden), 60.0, 0.5), hidden.health()
+        assert "DIAG: reachability private" in hidden.log_text()
+        assert wait_until(lambda: first.health()["reachability"] == "public", 30.0, 0.5)
+        assert relay.health()["reachability"] == "public"
+        assert first.health()["addrs"] == first.p2p_addrs  # found reachable: still direct
+
+        def routable() -> bool:
+            entry = first.get_json("/v1/models")["data"][0]  # type: ignore[index]
+            return len(entry["swarm"]["holders"]) == 2 and bool(entry["swarm"]["routable"])
+
+        assert wait_until(routable, 60.0, 0.5)
+        bodies = [
+            {**chat_body(f"Tell me about {topic}.", 8 + 4 * i), "model": tiny_reference.model_id}
+            for i, topic in enumerate(("the sea", "rivers"))
+        ]
+        expected = [ids(complete(tiny_reference, b)[0]) for b in bodies]
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:  # sessions at once
+            at_once = list(pool.map(lambda b: complete(first, b), bodies))
+        for (reply, headers), want in zip(at_once, expected, strict=True):
+            assert ids(reply) == want and reply["swarm"]["failovers"] == 0
+            assert headers["x-swarm-route"] == "relayed"
+            assert headers["x-swarm-nodes"].split(",")[1] == hidden.health()["short_id"]
+        report = urlopen_text(f"{hidden.url}/api/admin/diagnostics")
+        line = next(x for x in report.splitlines() if x.startswith("reachability: "))
+        port = silent.getsockname()[1]  # the report hides IPs, not ports
+        assert line.startswith("reachability: private: ") and f"/tcp/{port}/p2p/" in line
+    finally:
+        for node in nodes:
+            node.stop()
+        silent.close()
+
+
 def test_a_stage_slower_than_its_record_claims_is_avoided_once_measured(
     tmp_path: Path, test_cache_dir: Path, embedded_node: NodeProcess, swarm_env: None
 ) -> None:

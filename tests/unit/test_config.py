@@ -305,6 +305,8 @@ OUT_OF_RANGE = [
     ("host", ""),
     ("model", ""),
     ("default_temperature", "-0.5"),
+    ("reachability", "maybe"),
+    ("reachability", "Public"),
 ]
 
 
