@@ -18,6 +18,7 @@ from swarmd.net.dialback import DialBackService, call_dial_back, direct_tcp, jud
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.rpc import RpcService
+from tests.trio_run import run_trio
 
 DEADLINE_S = 60.0
 DIAL_S = 1.0  # the answering side's dial timeout here (5 s in a node)
@@ -44,11 +45,7 @@ def silent_listener() -> socket.socket:
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
-    async def main() -> None:
-        with trio.fail_after(DEADLINE_S):
-            await test()
-
-    trio.run(main)
+    run_trio(test, DEADLINE_S)
 
 
 def test_a_listening_host_is_reached_on_a_fresh_connection() -> None:

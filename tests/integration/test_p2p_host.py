@@ -49,6 +49,7 @@ from swarmd.net.frames import FRAME_HEADER_BYTES, FrameStream, encode_frame
 from swarmd.net.host import HostConfig, P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.rpc import RPC_PROTOCOL, RpcService, call, call_ping
+from tests.trio_run import run_trio
 
 RUN_DEADLINE_S = 30.0
 TEST_PROTOCOL = "/swarmd/test/1"
@@ -80,11 +81,7 @@ async def raw_stream(host: P2PHost, peer_id: str, protocol: str) -> INetStream:
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
-    async def main() -> None:
-        with trio.fail_after(RUN_DEADLINE_S):
-            await test()
-
-    trio.run(main)
+    run_trio(test, RUN_DEADLINE_S)
 
 
 def test_connect_by_multiaddr_and_ping() -> None:

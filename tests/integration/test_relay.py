@@ -4,7 +4,7 @@ connection is reached through a relay, its frames end to end, and the relay's fi
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -16,6 +16,7 @@ from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.relay import Relay, RelaySettings
+from tests.trio_run import run_trio
 
 ECHO = "/swarmd-test/echo/1"
 DEADLINE_S = 60.0
@@ -75,12 +76,8 @@ async def echo_round(a: P2PHost, b_peer_id: str, payload: bytes) -> None:
         await stream.close()
 
 
-def run(test):  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        with trio.fail_after(DEADLINE_S):
-            await test()
-
-    trio.run(main)
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    run_trio(test, DEADLINE_S)
 
 
 def test_a_host_without_inbound_connections_is_reached_through_a_relay() -> None:

@@ -21,6 +21,7 @@ from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.rpc import RpcService
 from tests.integration.conftest import host_records
+from tests.trio_run import run_trio
 
 DEADLINE_S = 20.0
 SETTINGS = SwarmSettings(
@@ -35,11 +36,7 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
-    async def main() -> None:
-        with trio.fail_after(DEADLINE_S):
-            await test()
-
-    trio.run(main)
+    run_trio(test, DEADLINE_S)
 
 
 def test_renewal_goes_on_after_any_error_and_counts_it() -> None:
