@@ -319,6 +319,8 @@ class Node:
             background_errors=lambda: self.swarm.loop_errors.as_dict(),
             http_connections=lambda: self.edge.stats.open,
             http_refused=lambda: dict(self.edge.stats.refusals),
+            joining=lambda: self.swarm.joining,
+            reachability=lambda: self.swarm.reachability,
         )
 
     async def holders(self, model_id: str) -> list[NodeRecord]:
@@ -442,11 +444,15 @@ class Node:
             return "stopped"
         return "joining" if self.swarm.joining else "ready"
 
-    async def peer_snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
+    async def peer_snapshot(
+        self,
+    ) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int], set[str]]:
+        """Connected peers, the peer table, rejected records, and the connected peers
+        reached only through a relay (see `SwarmPresence.snapshot`)."""
         try:
             return await self.bridge.run(self.swarm.snapshot)
         except SwarmError:  # the bridge stopped (shutdown, or a failed swarm layer)
-            return [], (), {}
+            return [], (), {}, set()
 
     def bans(self, now: float) -> tuple[BanRow, ...]:
         return self.swarm.peers.bans(now)

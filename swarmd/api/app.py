@@ -178,7 +178,7 @@ async def peers(request: web.Request) -> web.Response:
     for record in await _swarm_holders(node):
         serves.setdefault(record.peer_id, []).append(record)
     now = time.time()
-    connected_ids, table, records = await node.peer_snapshot()
+    connected_ids, table, records, relayed = await node.peer_snapshot()
     connected = set(connected_ids)
     rows = []
     known = {row.peer_id: row for row in table}
@@ -189,6 +189,10 @@ async def peers(request: web.Request) -> web.Response:
                 "peer_id": peer_id,
                 "short_id": peer_id[-8:],
                 "connected": peer_id in connected,
+                # How: "direct", or "relayed" (through a circuit relay only); None if not.
+                "link": None
+                if peer_id not in connected
+                else ("relayed" if peer_id in relayed else "direct"),
                 "rtt_ms": None if row is None else row.rtt_ms,
                 # What route planning uses for this peer's compute (None: its record's claim).
                 "layer_ms": None if row is None else row.layer_ms,

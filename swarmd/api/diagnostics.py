@@ -42,7 +42,7 @@ MAX_FAILURES = 50
 
 async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str:
     """`holders`: the records of every model of the swarm (of those this node holds first)."""
-    connected, table, rejected = await node.peer_snapshot()
+    connected, table, rejected, relayed = await node.peer_snapshot()
     now = time.time()
     # Read once, so every section tells of the same moment.
     ranges = _ranges(node, holders)
@@ -54,7 +54,7 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
         _section_summary(node, holders, ranges, connected, banned, requests, failures),
         _section_node(node),
         _section_addresses(node),
-        _section_peers(node, holders, connected, table, rejected, now),
+        _section_peers(node, holders, connected, relayed, table, rejected, now),
         _section_models(node),
         *(_section_coverage(node, model_id, ranges[model_id], banned) for model_id in ranges),
         _section_requests(requests),
@@ -204,6 +204,7 @@ def _section_peers(
     node: Node,
     holders: list[NodeRecord],
     connected: Iterable[str],
+    relayed: set[str],
     table: Iterable[PeerRow],
     rejected: dict[str, int],
     now: float,
@@ -232,8 +233,7 @@ def _section_peers(
         rows.append(
             [
                 peer_id[-8:],
-                ("yes" if peer_id in connected else "no")
-                + (" (via relay)" if signed and all(is_circuit(a) for a in signed) else ""),
+                _link(peer_id, connected, relayed, signed),
                 rtt,
                 layer,
                 seen,
@@ -417,3 +417,15 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _link(peer_id: str, connected: set[str], relayed: set[str], signed: tuple[str, ...]) -> str:
+    """ "yes", "yes (via relay)", "yes (direct, hole punched)" for a peer that announces only
+    a relay yet is connected directly, or "no"."""
+    if peer_id not in connected:
+        return "no"
+    if peer_id in relayed:
+        return "yes (via relay)"
+    if signed and all(is_circuit(a) for a in signed):
+        return "yes (direct)"
+    return "yes"

@@ -10,7 +10,7 @@ generated_tokens_total, ttft_seconds, inter_token_seconds, failovers_total,
 stage_forward_seconds, peers_connected, kv_cache_tokens, sessions, in_flight_requests,
 bytes_sent_total{protocol}, bytes_received_total{protocol}, records_rejected_total{reason},
 peers_banned, file_bytes_served_total, background_errors_total{loop},
-info{version,peer_id,model}.
+swarm_joining, reachability{state}, info{version,peer_id,model}.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class NodeState:
     background_errors: Callable[[], dict[str, int]] = field(default=dict)  # by loop
     http_connections: Callable[[], int] = field(default=lambda: 0)
     http_refused: Callable[[], dict[str, int]] = field(default=dict)  # by reason
+    joining: Callable[[], bool] = field(default=lambda: False)
+    reachability: Callable[[], str] = field(default=lambda: "unknown")
 
 
 class NodeMetrics:
@@ -160,6 +162,20 @@ class _StateCollector(Collector):
             s.background_errors(),
         )
         yield _gauge("swarmd_http_connections", "Open API connections", s.http_connections())
+        yield _gauge(
+            "swarmd_swarm_joining",
+            "1 while no peer answers (bootstrap peers down, or every peer lost)",
+            int(s.joining()),
+        )
+        reachability = GaugeMetricFamily(
+            "swarmd_reachability",
+            "1 for whether peers can dial this node: public, private (a relay), unknown",
+            labels=["state"],
+        )
+        current = s.reachability()
+        for state in ("public", "private", "unknown"):
+            reachability.add_metric([state], int(state == current))
+        yield reachability
         yield _counter_by(
             "swarmd_http_refused",
             "API connections or requests refused at the edge (caps, deadlines, auth, origin)",

@@ -633,8 +633,14 @@ class SwarmPresence:
         except Exception as exc:
             self.loop_errors.report("services", exc)
 
-    async def snapshot(self) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int]]:
-        """Connected peer ids, the peer table and rejected-record counts (trio side)."""
+    async def snapshot(
+        self,
+    ) -> tuple[list[str], tuple[PeerRow, ...], dict[str, int], set[str]]:
+        """Connected peer ids, the peer table, rejected-record counts and the connected
+        peers reached only through a relay (no direct connection, hole punched or not)
+        (trio side)."""
         connected = self.host.connected_peers() if self._host is not None else []
         rejected = self._discovery.stats.as_dict() if self._discovery is not None else {}
-        return connected, self.peers.snapshot(), rejected
+        relay = self.relay
+        relayed = {p for p in connected if relay is not None and not relay.direct_to(p)}
+        return connected, self.peers.snapshot(), rejected, relayed

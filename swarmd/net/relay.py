@@ -18,9 +18,12 @@ library first; its report is quoted in the closing note of issue 17):
 - HOP and STOP streams pass this node's gate (`admits`): a banned peer, or one that has
   not proved a private swarm's key, is refused like on swarmd's own protocols.
 
-Hole punching (DCUtR) is not used: after an upgrade the library closes the relayed
-connection 60 s later, resetting the long-lived stage streams opened on it, which a ring
-takes for a lost stage (see the note of issue 17).
+Hole punching (DCUtR) is not used. Its library version closes the relayed connection
+60 s after an upgrade, resetting the stage streams still on it; and on loopback (tried:
+two hosts that both listen, each reached through a relay) it dialed its own listen
+address, its other dials failed their Noise handshake, and no direct connection came up.
+A node that is reached through a relay but dials out itself (to a reachable peer) gives
+that peer a direct connection all the same, and streams between the two take it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from swarmd.errors import DialError, DialTimeoutError
+from swarmd.net.host import libp2p_peer_id
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +129,19 @@ class _PerCircuitRelay(CircuitV2Protocol):
                     del self._active_relays[key]
 
 
+def _connections(host: IHost, peer_id: ID) -> list[Any]:
+    conns = getattr(host.get_network(), "connections", {}).get(peer_id, [])
+    return list(conns) if isinstance(conns, list) else [conns]
+
+
+def _relayed_conn(conn: Any) -> bool:
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:  # a connection closing under us: not one to keep or close
+        return False
+    return bool(addrs) and all(is_circuit(str(a)) for a in addrs)
+
+
 class Relay:
     """This node's part in circuit relay v2; `run` it for as long as the host runs."""
 
@@ -153,6 +170,11 @@ class Relay:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
+
+    def direct_to(self, peer_id: str) -> bool:
+        """Whether this node holds a direct (not relayed) connection to `peer_id`."""
+        pid = libp2p_peer_id(peer_id)
+        return pid is not None and any(not _relayed_conn(c) for c in _connections(self._host, pid))
 
     def _gate(self, protocol: str, handler: Callable[[INetStream], Any]) -> None:
         async def gated(stream: INetStream) -> None:

@@ -109,6 +109,12 @@ def test_report_and_metrics_after_a_distributed_request(swarm: list[NodeProcess]
     assert value(after, "swarmd_bytes_sent_total", protocol=stage) > 0
     assert value(after, "swarmd_bytes_received_total", protocol=stage) > 0
     assert value(after, "swarmd_peers_connected") >= 2
+    assert value(after, "swarmd_swarm_joining") == 0
+    # Peers dialed it back (a check right after joining): reachable on loopback.
+    assert wait_until(
+        lambda: value(scrape(a), "swarmd_reachability", state="public") == 1, 30.0, 0.5
+    )
+    assert value(scrape(a), "swarmd_reachability", state="private") == 0
 
     text = report(a)
     for section in SECTIONS:

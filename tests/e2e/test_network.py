@@ -469,6 +469,24 @@ def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
         line = next(x for x in report.splitlines() if x.startswith("reachability: "))
         port = silent.getsockname()[1]  # the report hides IPs, not ports
         assert line.startswith("reachability: private: ") and f"/tcp/{port}/p2p/" in line
+        # The hidden node dials out to the reachable one itself (its stage answers its
+        # coordinator): that connection is direct, and it carries rings once the relay
+        # has gone.
+        hidden_id = str(hidden.health()["peer_id"])
+
+        def link() -> object:
+            rows = first.get_json("/api/peers")["peers"]  # type: ignore[index]
+            return next((r["link"] for r in rows if r["peer_id"] == hidden_id), None)
+
+        assert wait_until(lambda: link() == "direct", 30.0, 0.5), link()
+        assert "yes (direct)" in urlopen_text(f"{first.url}/api/admin/diagnostics")
+        relay.stop()
+        body = {**chat_body("Name a river.", 10), "model": tiny_reference.model_id}
+        reply, _ = complete(first, body)
+        assert ids(reply) == ids(complete(tiny_reference, body)[0])
+        assert reply["swarm"]["failovers"] == 0
+        assert reply["swarm"]["nodes"][1] == hidden.health()["short_id"]
+
     finally:
         for node in nodes:
             node.stop()
