@@ -19,9 +19,11 @@ library first; its report is quoted in the closing note of issue 17):
   not proved a private swarm's key, is refused like on swarmd's own protocols.
 
 Hole punching (DCUtR) is not used. Its library version closes the relayed connection
-60 s after an upgrade, resetting the stage streams still on it; and on loopback (tried:
-two hosts that both listen, each reached through a relay) it dialed its own listen
-address, its other dials failed their Noise handshake, and no direct connection came up.
+60 s after an upgrade, resetting the stage streams still on it; and it cannot be tried
+on one machine: the side that starts it dials as the Noise responder, counting on the
+TCP simultaneous open a real NAT punch gives, so on loopback both ends of the new
+connection wait as responders and the handshake fails (tried: two listening hosts, each
+reached through a relay; no direct connection came up).
 A node that is reached through a relay but dials out itself (to a reachable peer) gives
 that peer a direct connection all the same, and streams between the two take it.
 """
