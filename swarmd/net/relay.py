@@ -144,10 +144,48 @@ def _relayed_conn(conn: Any) -> bool:
     return bool(addrs) and all(is_circuit(str(a)) for a in addrs)
 
 
+# How the library logs a circuit or a reservation's stream ending as it should (the other
+# side closed or reset it), at ERROR: "...: " with no reason, or the reset/closed text.
+_ENDING_MESSAGES = (
+    "Error reading from hop stream from ",
+    "Unexpected error reading from stream: ",
+    "Error writing to destination stream: ",
+)
+_ENDING_REASONS = ("", "Cannot read from stream; stream is reset", "stream is reset")
+
+
+class _CircuitEndings(logging.Filter):
+    """The library's ERROR lines for streams that simply ended, made DEBUG lines (a relay
+    printed one after every reservation and every circuit's end). Other errors stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and is_circuit_ending(record.getMessage()):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+def is_circuit_ending(message: str) -> bool:
+    for start in _ENDING_MESSAGES:
+        if message.startswith(start):
+            reason = message[len(start) :]
+            if start.endswith("from "):  # "<peer id>: <reason>"
+                reason = reason.partition(": ")[2] if ": " in reason else reason
+            return reason.strip() in _ENDING_REASONS
+    return False
+
+
+def quiet_circuit_endings() -> None:
+    """Install `_CircuitEndings` on the library's relay logger (once)."""
+    relay_logger = logging.getLogger("libp2p.relay.circuit_v2.protocol")
+    if not any(isinstance(f, _CircuitEndings) for f in relay_logger.filters):
+        relay_logger.addFilter(_CircuitEndings())
+
+
 class Relay:
     """This node's part in circuit relay v2; `run` it for as long as the host runs."""
 
     def __init__(self, host: IHost, settings: RelaySettings, admits: Callable[[str], bool]):
+        quiet_circuit_endings()
         self._host = host
         self.settings = settings
         self._admits = admits
