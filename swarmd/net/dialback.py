@@ -208,6 +208,9 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
     """
     if not addrs:
         return Verdict("unknown", detail="no direct address to check")
+    # A wildcard listener has one address per interface, all on one port: the first few
+    # are enough, since a peer also tries the IP it sees with each port named.
+    addrs = addrs[:MAX_ADDRS]
     answers: list[dict[str, Any]] = []
     failures: list[str] = []
 

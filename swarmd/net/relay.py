@@ -51,6 +51,7 @@ from multiaddr import Multiaddr
 
 from swarmd.errors import DialError, DialTimeoutError
 from swarmd.net.host import libp2p_peer_id
+from swarmd.net.remote_addr import is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,6 @@ def _connections(host: IHost, peer_id: ID) -> list[Any]:
     return list(conns) if isinstance(conns, list) else [conns]
 
 
-def _relayed_conn(conn: Any) -> bool:
-    try:
-        addrs = conn.get_transport_addresses()
-    except Exception:  # a connection closing under us: not one to keep or close
-        return False
-    return bool(addrs) and all(is_circuit(str(a)) for a in addrs)
-
-
 # How the library logs a circuit or a reservation's stream ending as it should (the other
 # side closed or reset it), at ERROR: "...: " with no reason, or the reset/closed text.
 _ENDING_MESSAGES = (
@@ -214,7 +207,7 @@ class Relay:
     def direct_to(self, peer_id: str) -> bool:
         """Whether this node holds a direct (not relayed) connection to `peer_id`."""
         pid = libp2p_peer_id(peer_id)
-        return pid is not None and any(not _relayed_conn(c) for c in _connections(self._host, pid))
+        return pid is not None and any(not is_relayed(c) for c in _connections(self._host, pid))
 
     def _gate(self, protocol: str, handler: Callable[[INetStream], Any]) -> None:
         async def gated(stream: INetStream) -> None:

@@ -1,16 +1,19 @@
 """`remote_ips`: the IP addresses a connected peer reaches this node from (trio side).
 
 Read from libp2p's open connections (the socket's far end, not what the peer claims), for
-address bans (`PeerTable.ban(..., addr=)`, `PeerTable.is_address_banned`).
+address bans (`PeerTable.ban(..., addr=)`, `PeerTable.is_address_banned`) and for where a
+dial-back may go. A connection through a circuit relay is left out: its far end is the
+relay, not the peer.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from swarmd.net.host import P2PHost, libp2p_peer_id
 
-__all__ = ["remote_ip", "remote_ips"]
+__all__ = ["is_relayed", "remote_ip", "remote_ips"]
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +26,8 @@ def remote_ips(host: P2PHost, peer_id: str) -> list[str]:
     ips: list[str] = []
     try:
         for conn in host.libp2p.get_network().get_connections(pid):
+            if is_relayed(conn):
+                continue
             address = conn.muxed_conn.get_remote_address()
             if address is not None and address[0] not in ips:
                 ips.append(address[0])
@@ -31,6 +36,16 @@ def remote_ips(host: P2PHost, peer_id: str) -> list[str]:
     except Exception as exc:
         log.debug("no remote address of %s: %r", peer_id[-8:], exc)
     return ips
+
+
+def is_relayed(conn: Any) -> bool:
+    """Whether a libp2p connection runs through a circuit relay (its transport addresses
+    are /p2p-circuit ones)."""
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:  # a connection closing under us: not one to read an address from
+        return True
+    return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)
 
 
 def remote_ip(host: P2PHost, peer_id: str) -> str | None:

@@ -16,6 +16,7 @@ from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
 from swarmd.net.relay import Relay, RelaySettings
+from swarmd.net.remote_addr import remote_ips
 from tests.trio_run import run_trio
 
 ECHO = "/swarmd-test/echo/1"
@@ -94,6 +95,12 @@ def test_a_host_without_inbound_connections_is_reached_through_a_relay() -> None
                 await echo_round(a.host, b.host.peer_id, bytes(range(256)) * (size // 256 + 1))
             # The circuit is no TCP address: it never lands among a peer's dialable ones.
             assert all("/p2p-circuit" not in x for x in a.host.peer_addrs(b.host.peer_id))
+            # Its far end is the relay, not the peer: no IP of the peer (for an address ban,
+            # or a dial-back) comes from it, and it is no direct link.
+            assert remote_ips(a.host, b.host.peer_id) == []
+            assert remote_ips(b.host, a.host.peer_id) == []
+            assert remote_ips(a.host, r.host.peer_id) == ["127.0.0.1"]
+            assert not a.relay.direct_to(b.host.peer_id) and a.relay.direct_to(r.host.peer_id)
 
     run(test)
 
