@@ -420,8 +420,8 @@ def _cpu_name() -> str:
 
 
 def _link(peer_id: str, connected: set[str], relayed: set[str], signed: tuple[str, ...]) -> str:
-    """ "yes", "yes (via relay)", "yes (direct, hole punched)" for a peer that announces only
-    a relay yet is connected directly, or "no"."""
+    """ "yes"; "yes (via relay)"; "yes (direct)" for a peer that announces only a relay yet
+    holds a direct connection here (one it opened itself); or "no"."""
     if peer_id not in connected:
         return "no"
     if peer_id in relayed:

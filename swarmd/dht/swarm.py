@@ -56,7 +56,6 @@ RESERVE_TIMEOUT_S = 10.0  # one reservation on a relay
 REACHABILITY_RECHECK_S = 600.0  # how often a verdict on this node's reachability is checked
 REACHABILITY_RETRY_S = 30.0  # ... and how soon after no peer could answer
 REACHABILITY_ASK = 3  # peers asked to dial this node back at once
-REACHABILITY = ("auto", "public", "private")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ from swarmd.errors import (
     InvalidRequestError,
     MalformedFrameError,
     OverloadedError,
-    RemoteError,
     SwarmError,
 )
 from swarmd.net.host import P2PHost
@@ -171,12 +170,8 @@ class DialBackService:
         named = [parsed for a in addrs if (parsed := direct_tcp(a)) is not None]
         candidates = [(ip, port) for ip, port in named if ip in observed]
         candidates += [(ip, port) for ip in observed for _, port in named]
-        targets: list[str] = []
-        for ip, port in candidates:
-            target = _tcp_multiaddr(ip, port)
-            if target not in targets:
-                targets.append(target)
-        return targets[:MAX_ADDRS]
+        targets = dict.fromkeys(_tcp_multiaddr(ip, port) for ip, port in candidates)
+        return list(targets)[:MAX_ADDRS]
 
 
 @dataclass(frozen=True)
@@ -202,9 +197,11 @@ async def call_dial_back(host: P2PHost, peer_id: str, addrs: list[str]) -> dict[
 async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
     """Ask `peers` (all at once) to dial this node back at `addrs` and weigh the answers.
 
-    One peer that reached it is enough for "public" (a peer cannot fake reaching this
-    node: the dial proves its key); "private" needs every answer that dialed to have
-    failed. A peer that cannot answer (an older swarmd, busy, gone) counts for nothing.
+    One peer that reached it is enough for "public"; "private" needs every answer that
+    dialed to have failed. A peer could lie either way; a false "public" leaves the node
+    as it was before any check, a false "private" would send its traffic through a
+    relay, so a single "reached" wins. A peer that cannot answer (an older swarmd, busy,
+    gone) counts for nothing.
     """
     if not addrs:
         return Verdict("unknown", detail="no direct address to check")
@@ -217,7 +214,7 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
     async def ask(peer_id: str) -> None:
         try:
             answers.append(await call_dial_back(host, peer_id, addrs))
-        except (RemoteError, SwarmError) as exc:
+        except SwarmError as exc:  # RemoteError, RpcTimeoutError, a malformed answer
             failures.append(f"{peer_id[-8:]}: {safe_text(exc, 200)}")
 
     async with trio.open_nursery() as nursery:

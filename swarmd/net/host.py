@@ -169,10 +169,9 @@ class P2PHost:
         """The full multiaddrs peers are told to dial (records): the circuit addresses of a
         node that accepts no inbound connections, else the announced ones when the node was
         given any (`--announce-addr`, also told by identify), else `addrs`."""
-        chosen = self._advertised.relayed or self._advertised.announce
-        if chosen:
-            return [f"{addr}/p2p/{self.peer_id}" for addr in chosen]
-        return self.addrs
+        if self._advertised.relayed:
+            return [f"{addr}/p2p/{self.peer_id}" for addr in self._advertised.relayed]
+        return self.direct
 
     @property
     def direct(self) -> list[str]:

@@ -132,11 +132,6 @@ class _PerCircuitRelay(CircuitV2Protocol):
                     del self._active_relays[key]
 
 
-def _connections(host: IHost, peer_id: ID) -> list[Any]:
-    conns = getattr(host.get_network(), "connections", {}).get(peer_id, [])
-    return list(conns) if isinstance(conns, list) else [conns]
-
-
 # How the library logs a circuit or a reservation's stream ending as it should (the other
 # side closed or reset it), at ERROR: "...: " with no reason, or the reset/closed text.
 _ENDING_MESSAGES = (
@@ -207,7 +202,9 @@ class Relay:
     def direct_to(self, peer_id: str) -> bool:
         """Whether this node holds a direct (not relayed) connection to `peer_id`."""
         pid = libp2p_peer_id(peer_id)
-        return pid is not None and any(not is_relayed(c) for c in _connections(self._host, pid))
+        return pid is not None and any(
+            not is_relayed(c) for c in self._host.get_network().get_connections(pid)
+        )
 
     def _gate(self, protocol: str, handler: Callable[[INetStream], Any]) -> None:
         async def gated(stream: INetStream) -> None:

@@ -15,8 +15,9 @@ import socket
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,12 +343,10 @@ def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
 # --- nodes that take no inbound connection, reached through a relay -------------------
 
 
-def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
-    tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
-) -> None:
-    """Two --no-listen nodes hold the two halves of the model: neither can dial the
-    other, so the ring between them runs through the --relay-service node's circuits
-    (both ways: stage 0 to stage 1, and stage 1's answers back to its coordinator)."""
+@contextmanager
+def node_group(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
+    """`start(name, *args)` runs a node (any free ports, its own data dir); every node
+    started is stopped at the end."""
     nodes: list[NodeProcess] = []
 
     def start(name: str, *args: str) -> NodeProcess:
@@ -358,23 +357,38 @@ def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
         return nodes[-1]
 
     try:
+        yield start
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def announces_relay_only(node: NodeProcess) -> bool:
+    addrs = node.health()["addrs"]
+    return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
+
+
+def routes_both_halves(node: NodeProcess) -> bool:
+    entry = node.get_json("/v1/models")["data"][0]  # type: ignore[index]
+    return len(entry["swarm"]["holders"]) == 2 and bool(entry["swarm"]["routable"])
+
+
+def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
+    tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
+) -> None:
+    """Two --no-listen nodes hold the two halves of the model: neither can dial the
+    other, so the ring between them runs through the --relay-service node's circuits
+    (both ways: stage 0 to stage 1, and stage 1's answers back to its coordinator)."""
+    with node_group(tmp_path) as start:
         relay = start("relay", "--no-model", "--relay-service")
         boot = ["--bootstrap", relay.p2p_addrs[0], "--model", str(tiny_chat_dir), "--no-listen"]
         first = start("first", *boot, "--layers", "0:2")
         second = start("second", *boot, "--layers", "2:4")
         assert first.p2p_addrs == [] and second.p2p_addrs == []  # they listen nowhere
-
-        def relayed(node: NodeProcess) -> bool:
-            addrs = node.health()["addrs"]
-            return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
-
-        assert wait_until(lambda: relayed(first) and relayed(second), 60.0, 0.5)
-
-        def routable() -> bool:
-            entry = first.get_json("/v1/models")["data"][0]  # type: ignore[index]
-            return len(entry["swarm"]["holders"]) == 2 and bool(entry["swarm"]["routable"])
-
-        assert wait_until(routable, 60.0, 0.5)
+        assert wait_until(
+            lambda: announces_relay_only(first) and announces_relay_only(second), 60.0, 0.5
+        )
+        assert wait_until(lambda: routes_both_halves(first), 60.0, 0.5)
         body = chat_body("Tell me about the sea.", 12)
         body["model"] = tiny_reference.model_id
         reference, _ = complete(tiny_reference, body)
@@ -402,14 +416,6 @@ def test_nodes_without_inbound_connections_serve_their_stages_through_a_relay(
         assert report["swarm"] == "ready"
         # Reservations and circuits that ended as they should print no error.
         assert "Error reading from hop stream" not in relay.log_text()
-    finally:
-        for node in nodes:
-            node.stop()
-
-
-# --- placement on measured speed ----------------------------------------------------------
-
-SLOW = [sys.executable, str(Path(__file__).with_name("slow_node.py"))]
 
 
 def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
@@ -419,17 +425,8 @@ def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
     connections and never answers, as a NAT that drops them), is told so by the peers it
     asks to dial it back; it takes a relay slot by itself and its stage is served through
     the relay. The nodes peers can dial find themselves public and stay direct."""
-    nodes: list[NodeProcess] = []
     silent = socket.create_server(("127.0.0.1", 0), backlog=16)
-
-    def start(name: str, *args: str) -> NodeProcess:
-        workdir = tmp_path / name
-        workdir.mkdir()
-        common = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
-        nodes.append(start_node([*common, *args], workdir))
-        return nodes[-1]
-
-    try:
+    with silent, node_group(tmp_path) as start:
         relay = start("relay", "--no-model", "--relay-service")
         boot = ["--bootstrap", relay.p2p_addrs[0], "--model", str(tiny_chat_dir)]
         first = start("first", *boot, "--layers", "0:2")
@@ -437,13 +434,7 @@ def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
         hidden = start("hidden", *boot, "--layers", "2:4", "--announce-addr", dead)
 
         def relayed(node: NodeProcess) -> bool:
-            report = node.health()
-            addrs = report["addrs"]
-            return (
-                report["reachability"] == "private"
-                and bool(addrs)
-                and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
-            )
+            return node.health()["reachability"] == "private" and announces_relay_only(node)
 
         assert wait_until(lambda: relayed(hidden), 60.0, 0.5), hidden.health()
         assert "DIAG: reachability private" in hidden.log_text()
@@ -451,11 +442,7 @@ def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
         assert relay.health()["reachability"] == "public"
         assert first.health()["addrs"] == first.p2p_addrs  # found reachable: still direct
 
-        def routable() -> bool:
-            entry = first.get_json("/v1/models")["data"][0]  # type: ignore[index]
-            return len(entry["swarm"]["holders"]) == 2 and bool(entry["swarm"]["routable"])
-
-        assert wait_until(routable, 60.0, 0.5)
+        assert wait_until(lambda: routes_both_halves(first), 60.0, 0.5)
         bodies = [
             {**chat_body(f"Tell me about {topic}.", 8 + 4 * i), "model": tiny_reference.model_id}
             for i, topic in enumerate(("the sea", "rivers"))
@@ -489,10 +476,10 @@ def test_a_node_peers_cannot_dial_finds_out_and_serves_through_a_relay(
         assert reply["swarm"]["failovers"] == 0
         assert reply["swarm"]["nodes"][1] == hidden.health()["short_id"]
 
-    finally:
-        for node in nodes:
-            node.stop()
-        silent.close()
+
+# --- placement on measured speed ----------------------------------------------------------
+
+SLOW = [sys.executable, str(Path(__file__).with_name("slow_node.py"))]
 
 
 def test_a_stage_slower_than_its_record_claims_is_avoided_once_measured(
