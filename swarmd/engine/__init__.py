@@ -6,5 +6,7 @@
 - `rope.py`    `RopeTable`: rotary cos/sin from a table grown on demand
 - `kv.py`      `KVCache`: one session's keys and values, one buffer grown in place
 - `stage.py`   `LeanStage`: layers [start, end), prefill and decode, `view` of a sub-range
+- `scripted.py` `DecodeLoop`: a decode step's layer loop as TorchScript, bit for bit the
+               eager loop at a third of its per-op overhead
 - `load.py`    `load_lean_stage`: a stage from safetensors by a plain name table
 """

@@ -37,6 +37,11 @@ class KVCache:
         return torch.empty(*self._dims, capacity, self._head_dim, dtype=self._dtype)
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """[layers, 2, B, kv_heads, capacity, head_dim]: what a scripted step writes into."""
+        return self._buffer
+
+    @property
     def capacity(self) -> int:
         return int(self._buffer.shape[4])
 

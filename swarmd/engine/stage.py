@@ -27,6 +27,7 @@ from swarmd.engine.arch import SLIDING, ArchSpec
 from swarmd.engine.kv import KVCache
 from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
+from swarmd.engine.scripted import DecodeLoop
 from swarmd.errors import InternalError, ModelLoadError
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
@@ -91,6 +92,12 @@ class LeanStage:
         self.ropes = ropes
         self._q_size = spec.heads * spec.head_dim
         self._kv_size = spec.kv_heads * spec.head_dim
+        # Decode forwards (every row one token) run their layers as TorchScript (built on
+        # the first); False runs them eagerly, the reference the scripted loop equals.
+        self.scripted_decode = True
+        self._kinds = list(ropes)
+        self._decode_loop: DecodeLoop | None = None
+        self._decode_loop_built = False
 
     @property
     def is_first(self) -> bool:
@@ -178,7 +185,8 @@ class LeanStage:
         x = torch.cat([p.hidden for p in parts]) if len(parts) > 1 else parts[0].hidden
         # Every row one token (steady decoding): the rotary rows of all of them at once.
         decodes = None
-        if len(parts) > 1 and all(p.count == 1 for p in parts):
+        one_token = all(p.count == 1 for p in parts)
+        if one_token:
             positions = torch.tensor([p.start for p in parts])
             decodes = {
                 kind: (
@@ -187,8 +195,19 @@ class LeanStage:
                 )
                 for kind, table in self.ropes.items()
             }  # [B, 1, 1, D] each
-        for index, block in enumerate(self.blocks):
-            x = self._layer(block, index, x, parts, decodes)
+        loop = self._scripted_loop() if one_token else None
+        if loop is not None and decodes is not None:
+            x = loop(
+                x,
+                [decodes[kind][0] for kind in self._kinds],
+                [decodes[kind][1] for kind in self._kinds],
+                [p.cache.buffer for p in parts],
+                [p.start for p in parts],
+                [[p.step.masks(kind)[0] for kind in self._kinds] for p in parts],
+            )
+        else:
+            for index, block in enumerate(self.blocks):
+                x = self._layer(block, index, x, parts, decodes)
         for part in parts:
             part.cache.length = part.start + part.count
         if self.head is None or self.norm is None:
@@ -201,6 +220,16 @@ class LeanStage:
         rows_x = x[last[0] : last[0] + 1] if len(last) == 1 else x[torch.tensor(last)]
         logits = self._logits(rows_x.contiguous())  # [B, V]
         return [logits[i : i + 1] for i in range(len(parts))]
+
+    def _scripted_loop(self) -> DecodeLoop | None:
+        if not self.scripted_decode:
+            return None
+        if not self._decode_loop_built:
+            self._decode_loop_built = True
+            self._decode_loop = DecodeLoop.build(
+                self.blocks, self._kinds, self.spec, self.dtype, ACT
+            )
+        return self._decode_loop
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.head is not None and self.norm is not None
