@@ -155,9 +155,11 @@ def _decode_layers(
                     enable_gqa=gqa,
                 )
             )
-        attn = torch.cat(outs).view(batch, heads * head_dim) if batch > 1 else outs[0]
-        if batch == 1:
-            attn = attn.transpose(1, 2).reshape(1, heads * head_dim)
+        # As `_attend_decodes` and `_attend` shape them (the same values either way).
+        if batch > 1:
+            attn = torch.cat(outs).view(batch, heads * head_dim)
+        else:
+            attn = outs[0].transpose(1, 2).reshape(1, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:
             out = F.rms_norm(out.to(act), [hidden], norm[4], eps)

@@ -1,4 +1,4 @@
-"""Two per-frame costs of py-libp2p 0.8.1's yamux, removed (applied when a host opens).
+"""Three per-frame costs of py-libp2p 0.8.1's yamux, removed (applied when a host opens).
 
 A decode token crosses every link of a ring as one small frame, so what yamux spends per
 frame is per-token latency (issue 17: the hop overhead). Two of its habits cost without
@@ -10,6 +10,16 @@ buying anything here:
   way go-yamux does it, in batches of half the window, and a sender never waits for
   credit a reader has not used up. Measured by a helper over a relay: 64-byte round
   trips 10.5 -> 3.3 ms relayed, 1.9 -> 1.2 ms direct.
+- **A small window update for every other read.** Past that switch, its "partial slack"
+  rule still returned the credit of a read at once whenever less than half the window
+  was owed (measured: one WINDOW_UPDATE frame per round trip of two small messages, a
+  third encrypted frame on the wire for every two, written before the read returns). The
+  read path below keeps go-yamux's rule alone: credit goes back once half the window is
+  owed, never in crumbs. A sender still never waits for credit the reader has not used:
+  it may send a whole window, and the reader owes an update once it has read half.
+  Measured (two hosts in one process, 2 KB frames): 0.84-0.95 -> 0.57-0.74 ms a round
+  trip; 1.8-1.9 -> 1.3-1.5 ms with the caches cold from a matmul between trips, as a
+  stage's are after its forward.
 - **A debug line built for every frame written.** `Yamux._write_frame` unpacks the
   header and formats a log message on every call, debug logging on or not; the wrapper
   below does that work only when the library's debug log is on.
@@ -33,12 +43,35 @@ def apply() -> None:
     if getattr(yamux, _MARK, False):
         return
     yamux._yamux_release_on_read = _never
+    yamux.YamuxStream._auto_tune_and_send_window_update = _update_window_by_halves  # type: ignore[method-assign]
     yamux.Yamux._write_frame = _quiet_unless_debug(yamux.Yamux._write_frame)  # type: ignore[method-assign]
     setattr(yamux, _MARK, True)
 
 
 def _never() -> bool:
     return False
+
+
+async def _update_window_by_halves(self: yamux.YamuxStream, *, bytes_read: int = 0) -> None:
+    """`YamuxStream._auto_tune_and_send_window_update` with its first two rules only: the
+    window grown back (and auto-tuned) once half of it is owed, read or buffered."""
+    increment = 0
+    async with self.window_lock:
+        if bytes_read > 0:
+            self._pending_recv_release += bytes_read
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        owed = self.target_recv_window - (self.recv_window + buffered)
+        threshold = self._grow_threshold()
+        if owed >= threshold and owed > 0:
+            increment = self._grow_to_delta(buffered) + self._apply_autotune_epoch(buffered)
+            self._pending_recv_release = 0
+        elif self._pending_recv_release >= threshold > 0:
+            increment = self._pending_recv_release
+            self.recv_window += increment
+            self._pending_recv_release = 0
+            increment += self._apply_autotune_epoch(buffered)
+    if increment > 0:
+        await self.send_window_update(increment, skip_lock=True)
 
 
 def _quiet_unless_debug(original: WriteFrame) -> WriteFrame:
