@@ -6,6 +6,7 @@ sampled tokens into text, cuts at stop strings and end-of-sequence, and keeps ti
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -112,16 +113,22 @@ class Generation:
             if drawn.logprobs is not None:
                 pending.append((token, drawn.logprobs))
             text = stops.feed(detok.add(token))
-            if text:
-                yield Delta(text, tuple(pending))
-                pending.clear()
-            if stops.stopped:
-                self.finish_reason = "stop"
+            if stops.stopped or len(self.tokens) >= req.max_tokens:
+                if text:
+                    yield Delta(text, tuple(pending))
+                    pending.clear()
+                self.finish_reason = "stop" if stops.stopped else "length"
                 break
-            if len(self.tokens) >= req.max_tokens:
-                self.finish_reason = "length"
-                break
-            drawn = await self._decode_one_token(token)
+            # The next step computes while this token's text goes out to the client: the
+            # caller's work on a delta (an SSE write) is then off the per-token path.
+            step = asyncio.ensure_future(self._decode_one_token(token))
+            try:
+                if text:
+                    yield Delta(text, tuple(pending))
+                    pending.clear()
+                drawn = await step
+            finally:
+                await _settle(step)
             now = time.perf_counter()
             self.timing.token_gaps_s.append(now - last_token_at)
             last_token_at = now
@@ -152,3 +159,14 @@ class Generation:
         if nxt is None:
             raise InternalError("decode step produced no token")
         return nxt
+
+
+async def _settle(step: asyncio.Future[Sampled]) -> None:
+    """A step left behind (the caller stopped reading, or failed) is cancelled and waited
+    for, so it never outlives its generation; its own error was the caller's to see."""
+    if step.done():
+        return
+    step.cancel()
+    await asyncio.wait([step])  # raises only if this task itself is cancelled meanwhile
+    if not step.cancelled():
+        step.exception()  # retrieved: asyncio would log it as never retrieved

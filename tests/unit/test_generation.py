@@ -1,0 +1,98 @@
+"""The generation loop over a stand-in chain: the next step computes while a token's text
+goes out, and a caller that stops reading leaves no step running behind it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from swarmd.model.layers import LayerRange
+from swarmd.model.sampling import Sampled, SamplingParams
+from swarmd.model.text import TextCodec
+from swarmd.pipeline.chain import Hop
+from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
+
+WORDS = " one two three four five six seven eight nine ten"
+
+
+class StandInChain:
+    """Draws the given tokens in order; a step may be held until `release` is set."""
+
+    failovers = 0
+    is_local = True
+
+    def __init__(self, tokens: list[int], hold_from: int | None = None) -> None:
+        self.hops = [Hop("standin1", LayerRange(0, 1))]
+        self._tokens = iter(tokens)
+        self.steps_started = 0
+        self.steps_cancelled = 0
+        self._hold_from = hold_from
+        self.release = asyncio.Event()
+
+    async def open(self, *args: object, **kwargs: object) -> int:
+        return 0
+
+    async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
+        before_each()
+        return Sampled(next(self._tokens))
+
+    async def step(self, token_ids: list[int], want_token: bool) -> Sampled:
+        self.steps_started += 1
+        try:
+            if self._hold_from is not None and self.steps_started >= self._hold_from:
+                await self.release.wait()
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.steps_cancelled += 1
+            raise
+        return Sampled(next(self._tokens))
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def codec(smollm_dir: Path) -> TextCodec:
+    return TextCodec.load(smollm_dir)
+
+
+def generation(codec: TextCodec, chain: StandInChain, max_tokens: int) -> Generation:
+    request = GenerationRequest(
+        "req-1", "model", [1, 2, 3], max_tokens, SamplingParams(temperature=0.0)
+    )
+    return Generation(request, chain, codec, 64, Timing())  # type: ignore[arg-type]
+
+
+async def test_the_next_step_runs_while_a_token_text_goes_out(codec: TextCodec) -> None:
+    tokens = codec.tokenizer.encode(WORDS, add_special_tokens=False).ids
+    chain = StandInChain(tokens)
+    gen = generation(codec, chain, max_tokens=len(tokens))
+    seen: list[str] = []
+    started_at_delta: list[int] = []
+    async for delta in gen.events():
+        await asyncio.sleep(0)  # what writing the delta to a client does: yield the loop
+        seen.append(delta.text)
+        started_at_delta.append(chain.steps_started)
+    assert "".join(seen) == WORDS
+    assert gen.finish_reason == "length" and gen.tokens == tokens
+    # While the k-th token's text was written, step k (which draws token k + 1) ran; none
+    # was started past the last token.
+    assert started_at_delta[:3] == [1, 2, 3]
+    assert chain.steps_started == len(tokens) - 1
+
+
+async def test_a_caller_that_stops_reading_leaves_no_step_running(codec: TextCodec) -> None:
+    tokens = codec.tokenizer.encode(WORDS, add_special_tokens=False).ids
+    chain = StandInChain(tokens, hold_from=3)  # the third step waits until released
+    gen = generation(codec, chain, max_tokens=len(tokens))
+    events = gen.events()
+    got = [await anext(events) for _ in range(3)]
+    assert "".join(d.text for d in got) == " one two three"
+    await asyncio.sleep(0)
+    assert chain.steps_started == 3  # held, in flight
+    await events.aclose()  # the client left
+    assert chain.steps_cancelled == 1
+    assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
