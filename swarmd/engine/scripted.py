@@ -121,7 +121,7 @@ def _decode_layers(
         kind = counts[i][2]
         h = F.rms_norm(x, [hidden], norm[0], eps).to(mm)
         qkv = _project(mat[0:nq], h, act)
-        if norm[2].numel() == 0:
+        if nq == 1 and norm[2].numel() == 0:  # eager's fused path: q and k rotated at once
             qk = qkv[:, : q_size + kv_size].view(batch, 1, heads + kv_heads, head_dim)
             qk = _rotate(qk, cos[kind], sin[kind])
             q = qk[:, :, :heads]
@@ -129,8 +129,9 @@ def _decode_layers(
         else:
             q = qkv[:, :q_size].view(batch, 1, heads, head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(batch, 1, kv_heads, head_dim)
-            q = F.rms_norm(q, [head_dim], norm[2], eps)
-            k = F.rms_norm(k, [head_dim], norm[3], eps)
+            if norm[2].numel() != 0 and norm[3].numel() != 0:
+                q = F.rms_norm(q, [head_dim], norm[2], eps)
+                k = F.rms_norm(k, [head_dim], norm[3], eps)
             q = _rotate(q, cos[kind], sin[kind])
             k = _rotate(k, cos[kind], sin[kind])
         v = qkv[:, q_size + kv_size :].reshape(batch, 1, kv_heads, head_dim)

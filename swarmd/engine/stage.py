@@ -130,7 +130,7 @@ class LeanStage:
             return self
         lo, hi = layers.offsets_in(held)
         last = layers.is_last(self.num_model_layers)
-        return LeanStage(
+        view = LeanStage(
             self.spec,
             layers,
             self.dtype,
@@ -140,6 +140,8 @@ class LeanStage:
             self.head if last else None,
             self.ropes,
         )
+        view.scripted_decode = self.scripted_decode
+        return view
 
     @torch.inference_mode()
     def forward(

@@ -219,8 +219,9 @@ class Coordinator:
         finally:
             try:
                 if gen is not None:
-                    # Free the KV cache even when the handler is being cancelled.
-                    await asyncio.shield(gen.chain.close())
+                    # Free the KV cache even when the handler is being cancelled, once
+                    # no step of this generation runs any more.
+                    await asyncio.shield(_settle_and_close(gen))
             except SwarmError as exc:
                 log.warning("DIAG: session close failed request_id=%s: %s", request.request_id, exc)
             finally:
@@ -275,3 +276,10 @@ def _route_kind(chain: StageChain | None, held_whole: bool) -> str:
     if chain is not None:
         return route_kind(chain)
     return "local" if held_whole else "distributed"  # refused before a route existed
+
+
+async def _settle_and_close(gen: Generation) -> None:
+    try:
+        await gen.settle()
+    finally:
+        await gen.chain.close()

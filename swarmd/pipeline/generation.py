@@ -80,6 +80,7 @@ class Generation:
         self.tokens: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.cached_tokens = 0  # prompt tokens reused from a cached conversation
+        self._step: asyncio.Future[Sampled] | None = None  # the next token's, in flight
         self._codec = codec
         # A step frame carries at most bounds.MAX_STEP_TOKENS: a larger configured chunk
         # would make every stage 0 take the coordinator's steps for garbage.
@@ -121,14 +122,15 @@ class Generation:
                 break
             # The next step computes while this token's text goes out to the client: the
             # caller's work on a delta (an SSE write) is then off the per-token path.
-            step = asyncio.ensure_future(self._decode_one_token(token))
+            step = self._step = asyncio.ensure_future(self._decode_one_token(token))
             try:
                 if text:
                     yield Delta(text, tuple(pending))
                     pending.clear()
+                    self._stop_if_client_gone()  # a client gone while its text went out
                 drawn = await step
             finally:
-                await _settle(step)
+                await self.settle()
             now = time.perf_counter()
             self.timing.token_gaps_s.append(now - last_token_at)
             last_token_at = now
@@ -137,8 +139,17 @@ class Generation:
         if tail or (pending and not stops.stopped):
             yield Delta(tail, tuple(pending))
 
+    async def settle(self) -> None:
+        """Cancel the step in flight, if any, and wait for it. The owner of the chain calls
+        it before closing the chain: a caller that raised between two deltas (a failed
+        write) leaves `events()` suspended, with the next step still running."""
+        step, self._step = self._step, None
+        if step is not None:
+            await _settle(step)
+
     def _stop_if_client_gone(self) -> None:
-        # Checked before every step, so a client that left costs at most one more step.
+        # Checked before every step and after each delta goes out, so a client that left
+        # costs at most one more step (the one computing while its last text went out).
         if self._client_gone():
             raise ClientDisconnectedError("The client closed the connection")
 
@@ -164,9 +175,8 @@ class Generation:
 async def _settle(step: asyncio.Future[Sampled]) -> None:
     """A step left behind (the caller stopped reading, or failed) is cancelled and waited
     for, so it never outlives its generation; its own error was the caller's to see."""
-    if step.done():
-        return
-    step.cancel()
-    await asyncio.wait([step])  # raises only if this task itself is cancelled meanwhile
+    if not step.done():
+        step.cancel()
+        await asyncio.wait([step])  # raises only if this task itself is cancelled meanwhile
     if not step.cancelled():
         step.exception()  # retrieved: asyncio would log it as never retrieved

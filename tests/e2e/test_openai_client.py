@@ -36,8 +36,13 @@ MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def client(embedded_node: NodeProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{embedded_node.url}/v1", api_key="unused", max_retries=0)
+def client(embedded_node: NodeProcess) -> Iterator[openai.OpenAI]:
+    # Closed after the module: its pooled keep-alive sockets would otherwise be left for
+    # the garbage collector, which reports them as ResourceWarnings at the session's end.
+    with openai.OpenAI(
+        base_url=f"{embedded_node.url}/v1", api_key="unused", max_retries=0
+    ) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +102,8 @@ def test_greedy_stream_and_whole_match_a_reference(
         reference_ids = transformers_reference(smollm_fp32_dir)
     backend = {"int4-engine": "engine", "fp32-transformers": "transformers"}[path]
     assert node.health()["models"][0]["backend"] == backend  # type: ignore[index]
-    client = openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0)
-    _check_greedy(client, node, reference_ids)
+    with openai.OpenAI(base_url=f"{node.url}/v1", api_key="unused", max_retries=0) as client:
+        _check_greedy(client, node, reference_ids)
 
 
 def _check_greedy(
@@ -438,6 +443,7 @@ def test_health_stays_fast_during_a_long_prefill(embedded_node: NodeProcess) -> 
             time.sleep(0.02)
     finally:
         worker.join(timeout=120)
+        client.close()
     assert len(latencies) >= 10, "the generation ended before /health could be sampled"
     # A forward step on the event loop would stall /health for a whole prefill chunk
     # (hundreds of ms); the worker keeps it at a few ms.

@@ -362,10 +362,10 @@ async def test_the_openai_client_with_api_key(make_node: NodeFactory) -> None:
     _, token = TokenStore(node.config.data_dir).create("sdk")
 
     def ask(api_key: str) -> str:
-        client = openai.OpenAI(base_url=node.api_url + "/v1", api_key=api_key, max_retries=0)
-        reply = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
-        )
+        with openai.OpenAI(base_url=node.api_url + "/v1", api_key=api_key, max_retries=0) as client:
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
         return reply.choices[0].finish_reason or ""
 
     assert await asyncio.to_thread(ask, token) in ("stop", "length")

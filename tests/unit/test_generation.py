@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from swarmd.errors import ClientDisconnectedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.model.text import TextCodec
@@ -96,3 +97,40 @@ async def test_a_caller_that_stops_reading_leaves_no_step_running(codec: TextCod
     await events.aclose()  # the client left
     assert chain.steps_cancelled == 1
     assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
+async def test_a_caller_that_fails_between_deltas_has_its_step_stopped_by_the_owner(
+    codec: TextCodec,
+) -> None:
+    """A failed write leaves `events()` suspended at a delta with the next step running;
+    the chain's owner settles the generation before it closes the chain."""
+    tokens = codec.tokenizer.encode(WORDS, add_special_tokens=False).ids
+    chain = StandInChain(tokens, hold_from=2)
+    gen = generation(codec, chain, max_tokens=len(tokens))
+    with pytest.raises(ConnectionResetError):
+        async for delta in gen.events():
+            await asyncio.sleep(0)
+            if delta.text == " two":
+                raise ConnectionResetError("the client went away mid-write")
+    assert chain.steps_started == 2  # the step after " two" is running
+    await gen.settle()
+    assert chain.steps_cancelled == 1
+    assert not [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
+async def test_a_client_gone_while_its_text_went_out_stops_the_reply(codec: TextCodec) -> None:
+    tokens = codec.tokenizer.encode(WORDS, add_special_tokens=False).ids
+    chain = StandInChain(tokens, hold_from=1)
+    gone = False
+    request = GenerationRequest(
+        "req-1", "model", [1, 2, 3], len(tokens), SamplingParams(temperature=0.0)
+    )
+    gen = Generation(request, chain, codec, 64, Timing(), lambda: gone)  # type: ignore[arg-type]
+    seen = []
+    with pytest.raises(ClientDisconnectedError):
+        async for delta in gen.events():
+            await asyncio.sleep(0)  # the write; the next step starts meanwhile
+            seen.append(delta.text)
+            gone = True  # noticed once this delta is out: no wait for the step in flight
+    assert seen == [" one"]
+    assert chain.steps_started == 1 and chain.steps_cancelled == 1
