@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DENSE, _INT8, _INT4 = 0, 1, 2
+_DENSE, _INT8, _INT4 = 0, 1, 2  # `_matmul` spells them as literals: TorchScript reads no globals
 _NONE = torch.empty(0)  # "absent" for an optional tensor (a real one is never empty)
 
 # One matrix: (kind, weight or values or packed, scale (empty for dense), bias or _NONE,
@@ -51,10 +51,10 @@ MatrixArgs = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, 
 def _matmul(m: MatrixArgs, x: torch.Tensor) -> torch.Tensor:
     """`linear.Dense`, `Int8` and `Int4` `__call__`, op for op."""
     kind, a, b, bias, filler, n = m
-    if kind == 2:
+    if kind == 2:  # _INT4
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, n, b)
         return out if bias.numel() == 0 else out.add_(bias)
-    if kind == 1:
+    if kind == 1:  # _INT8
         out = torch.ops.aten._weight_int8pack_mm(x, a, b)
         return out if bias.numel() == 0 else out.add_(bias)
     cast = x.dtype != a.dtype

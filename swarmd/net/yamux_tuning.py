@@ -1,25 +1,20 @@
-"""Three per-frame costs of py-libp2p 0.8.1's yamux, removed (applied when a host opens).
+"""Two per-frame costs of py-libp2p 0.8.1's yamux, removed (applied when a host opens).
 
 A decode token crosses every link of a ring as one small frame, so what yamux spends per
 frame is per-token latency (issue 17: the hop overhead). Two of its habits cost without
 buying anything here:
 
-- **A window update for every read.** With its default `PY_YAMUX_RELEASE_ON_READ` on, the
-  reader sends a WINDOW_UPDATE frame after each read, so every message costs a second
-  encrypted frame back (measured: one update per data frame). Off, credit is returned the
-  way go-yamux does it, in batches of half the window, and a sender never waits for
-  credit a reader has not used up. Measured by a helper over a relay: 64-byte round
-  trips 10.5 -> 3.3 ms relayed, 1.9 -> 1.2 ms direct.
-- **A small window update for every other read.** Past that switch, its "partial slack"
-  rule still returned the credit of a read at once whenever less than half the window
-  was owed (measured: one WINDOW_UPDATE frame per round trip of two small messages, a
-  third encrypted frame on the wire for every two, written before the read returns). The
-  read path below keeps go-yamux's rule alone: credit goes back once half the window is
-  owed, never in crumbs. A sender still never waits for credit the reader has not used:
-  it may send a whole window, and the reader owes an update once it has read half.
-  Measured (two hosts in one process, 2 KB frames): 0.84-0.95 -> 0.57-0.74 ms a round
-  trip; 1.8-1.9 -> 1.3-1.5 ms with the caches cold from a matmul between trips, as a
-  stage's are after its forward.
+- **Window updates in crumbs.** Its read path returns credit after every read (its
+  default `PY_YAMUX_RELEASE_ON_READ`: one WINDOW_UPDATE frame per data frame) and, past
+  that switch, by a "partial slack" rule whenever less than half the window is owed (one
+  per round trip of two small messages): each a further encrypted frame, written before
+  the read returns. The read path below keeps go-yamux's rule alone: credit goes back
+  once half the window is owed. A sender still never waits for credit the reader has not
+  used: it may send a whole window, and the reader owes an update once it has read half.
+  Measured: 64-byte round trips over a relay 10.5 -> 3.3 ms, direct 1.9 -> 1.2 ms (release
+  on read off); then, two hosts in one process, 2 KB frames, 0.84-0.95 -> 0.57-0.74 ms a
+  round trip and 1.8-1.9 -> 1.3-1.5 ms with the caches cold from a matmul between trips,
+  as a stage's are after its forward (partial slack gone too).
 - **A debug line built for every frame written.** `Yamux._write_frame` unpacks the
   header and formats a log message on every call, debug logging on or not; the wrapper
   below does that work only when the library's debug log is on.
@@ -42,14 +37,9 @@ def apply() -> None:
     """Patch the yamux module once (idempotent)."""
     if getattr(yamux, _MARK, False):
         return
-    yamux._yamux_release_on_read = _never
     yamux.YamuxStream._auto_tune_and_send_window_update = _update_window_by_halves  # type: ignore[method-assign]
     yamux.Yamux._write_frame = _quiet_unless_debug(yamux.Yamux._write_frame)  # type: ignore[method-assign]
     setattr(yamux, _MARK, True)
-
-
-def _never() -> bool:
-    return False
 
 
 async def _update_window_by_halves(self: yamux.YamuxStream, *, bytes_read: int = 0) -> None:

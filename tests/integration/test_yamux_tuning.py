@@ -14,7 +14,7 @@ from libp2p.stream_muxer.yamux import yamux
 
 from swarmd.net import yamux_tuning
 from swarmd.net.frames import FrameStream
-from swarmd.net.host import P2PHost, open_host
+from swarmd.net.host import open_host
 from swarmd.net.identity import Identity
 from tests.trio_run import run_trio
 
@@ -29,8 +29,8 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 
 @asynccontextmanager
-async def echo_pair(delay_s: float = 0.0) -> AsyncIterator[tuple[P2PHost, FrameStream]]:
-    """Two hosts; the second echoes every frame of a stream (after `delay_s`)."""
+async def echo_stream(delay_s: float = 0.0) -> AsyncIterator[FrameStream]:
+    """A stream to a second host that echoes every frame (after `delay_s`)."""
     async with open_host(Identity.generate(), 0) as a, open_host(Identity.generate(), 0) as b:
 
         async def echo(stream: FrameStream) -> None:
@@ -42,7 +42,7 @@ async def echo_pair(delay_s: float = 0.0) -> AsyncIterator[tuple[P2PHost, FrameS
         b.set_handler(PROTOCOL, echo, gated=False)
         await a.connect(b.addrs[0])
         stream = await a.open_stream(b.peer_id, PROTOCOL)
-        yield a, stream
+        yield stream
         await stream.close()
 
 
@@ -66,7 +66,7 @@ def test_small_frames_back_and_forth_send_almost_no_window_updates(
     frame_types: dict[int, int],
 ) -> None:
     async def test() -> None:
-        async with echo_pair() as (_, stream):
+        async with echo_stream() as stream:
             payload = {"t": "step", "x": b"\0" * 2048}
             for _ in range(300):
                 await stream.send(payload)
@@ -82,7 +82,7 @@ def test_small_frames_back_and_forth_send_almost_no_window_updates(
 @pytest.mark.parametrize("delay_s", [0.0, 0.05])
 def test_frames_many_windows_long_arrive_whole_both_ways(delay_s: float) -> None:
     async def test() -> None:
-        async with echo_pair(delay_s) as (_, stream):
+        async with echo_stream(delay_s) as stream:
             for size in (3 * WINDOW + 17, 9 * WINDOW):
                 body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
                 await stream.send({"t": "blob", "x": body})
