@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
+from swarmd.engine.attention import one_query
 from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
 
 if TYPE_CHECKING:
@@ -112,7 +113,6 @@ def _decode_layers(
     hidden = x.shape[1]
     q_size = heads * head_dim
     kv_size = kv_heads * head_dim
-    gqa = heads != kv_heads
     for i in range(len(mats)):
         norm = norms[i]
         mat = mats[i]
@@ -148,12 +148,11 @@ def _decode_layers(
             keys[:, :, start : start + 1] = k[r : r + 1]
             values[:, :, start : start + 1] = v[r : r + 1]
             outs.append(
-                F.scaled_dot_product_attention(
+                one_query(
                     q[r : r + 1],
                     keys[:, :, first : start + 1],
                     values[:, :, first : start + 1],
-                    scale=scale,
-                    enable_gqa=gqa,
+                    scale,
                 )
             )
         # As `_attend_decodes` and `_attend` shape them (the same values either way).

@@ -8,7 +8,8 @@ own cache, with its own positions, so no row is padded to another's length.
 
 Per layer (Llama family): RMSNorm -> one fused q/k/v matmul -> (Qwen3: q/k norms) ->
 rotary from a table on q and k together -> K/V written into the session's buffer ->
-scaled_dot_product_attention with grouped-query heads over the cached positions -> o
+attention with grouped-query heads over the cached positions (SDPA for a chunk,
+`attention.one_query` for each one-token row: the same bits on any thread count) -> o
 matmul -> residual; RMSNorm -> one fused gate/up matmul -> SiLU(gate) * up -> down ->
 residual. Gemma 3 adds its norms after attention and MLP, (1 + w) norm weights (folded in
 at load), GeGLU, a sliding window on most layers and embeddings scaled by sqrt(hidden).
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.engine.arch import SLIDING, ArchSpec
+from swarmd.engine.attention import one_query
 from swarmd.engine.kv import KVCache
 from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
@@ -347,23 +349,18 @@ class LeanStage:
         The same ops as `_attend` on each row (elementwise rotary, one SDPA per row), so
         the same bits; only the rotary runs over all rows at once."""
         spec = self.spec
-        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        heads, head_dim = spec.heads, spec.head_dim
         batch = len(parts)
         cos, sin = rope[block.kind]
         rows = slice(0, batch)
         q, k, v = self._rotated_qkv(block, rows, batch, 1, cos, sin, fused, q_all, k_all, v_all)
-        gqa = heads != kv_heads
         outs = []
         for i, part in enumerate(parts):
             first, _ = part.step.masks(block.kind)
             keys, values = part.cache.write_and_read(
                 index, k[i : i + 1], v[i : i + 1], part.start, first
             )
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[i : i + 1], keys, values, scale=spec.attn_scale, enable_gqa=gqa
-                )
-            )
+            outs.append(one_query(q[i : i + 1], keys, values, spec.attn_scale))
         return torch.cat(outs).view(batch, heads * head_dim)
 
     def _attend(
@@ -385,28 +382,29 @@ class LeanStage:
         q, k, v = self._rotated_qkv(block, rows, 1, count, cos, sin, fused, q_all, k_all, v_all)
         first, mask = step.masks(block.kind)
         keys, values = part.cache.write_and_read(index, k, v, step.start, first)  # [1, kv, L, D]
-        gqa = heads != kv_heads
-        if part.alone and count > 1:
+        if count == 1:
+            attn = one_query(q, keys, values, spec.attn_scale)
+        elif part.alone:
             outs = []
             for t in range(count):  # as the one-token step at position start + t attended
                 a, b = step.window_of(block.kind, step.start + t)
                 outs.append(
-                    F.scaled_dot_product_attention(
+                    one_query(
                         q[:, :, t : t + 1],
                         keys[:, :, a - first : b - first],
                         values[:, :, a - first : b - first],
-                        scale=spec.attn_scale,
-                        enable_gqa=gqa,
+                        spec.attn_scale,
                     )
                 )
             attn = torch.cat(outs, dim=2)  # [1, heads, T, D]
         else:
+            gqa = heads != kv_heads
             attn = F.scaled_dot_product_attention(
                 q,
                 keys,
                 values,
                 attn_mask=mask,
-                is_causal=mask is None and count > 1,
+                is_causal=mask is None,
                 scale=spec.attn_scale,
                 enable_gqa=gqa,
             )  # [1, heads, T, D]

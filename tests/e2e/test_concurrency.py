@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from tests.conftest import NodeProcess, http_json, running_node, wait_until
 from tests.e2e.many_streams import eight_bodies, references, stream_all
-from tests.e2e.test_pipeline import Swarm, chat_body
+from tests.e2e.test_pipeline import Swarm, chat_body, complete
 
 pytestmark = pytest.mark.e2e
 
@@ -63,6 +64,36 @@ def test_eight_streams_through_two_stages_each_equal_their_reply_alone(
         nodes[1], "swarmd_forwards_total"
     )
     assert forwards > 1.0  # the last stage ran several sessions' steps per forward
+
+
+def test_stages_on_one_thread_each_reply_as_a_node_on_two_threads(
+    two_stages: Swarm, test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Nodes with other core counts serve one reply exactly: the stages run one torch
+    thread each, the reference node two. Six 64-token greedy replies, sent through the
+    stages at once, equal the reference's one by one in their text and in every token's
+    logprob (which shows a logit's last bit)."""
+    texts = json.loads((Path(__file__).parents[1] / "data" / "prompts.json").read_text())
+    bodies = [{**chat_body(text, 64), "logprobs": True} for text in texts[8:14]]
+    args = ["--cache-dir", str(test_cache_dir), "--torch-threads", "2"]
+    with running_node(tmp_path_factory, "two-threads", args) as reference:
+        expected = [_text_and_logprobs(complete(reference, body)[0]) for body in bodies]
+    got: list[tuple[str, list[float]] | None] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        got[i] = _text_and_logprobs(complete(two_stages["a"], bodies[i])[0])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert got == expected
+
+
+def _text_and_logprobs(reply: dict[str, Any]) -> tuple[str, list[float]]:
+    choice = reply["choices"][0]
+    return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
 def test_a_request_over_the_routes_kv_budget_gets_413_and_the_swarm_keeps_serving(
