@@ -346,7 +346,7 @@ class LeanStage:
     ) -> torch.Tensor:
         """Attention of B one-token rows, each over its own cache: [B, heads * D].
 
-        The same ops as `_attend` on each row (elementwise rotary, one SDPA per row), so
+        The same ops as `_attend` on each row (elementwise rotary, `one_query` per row), so
         the same bits; only the rotary runs over all rows at once."""
         spec = self.spec
         heads, head_dim = spec.heads, spec.head_dim
