@@ -182,9 +182,17 @@ def measure(phase: Phase, port: int, model: str, args: argparse.Namespace) -> No
 
 
 class Node:
-    def __init__(self, args: argparse.Namespace, workdir: Path, name: str, extra: list[str]):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        workdir: Path,
+        name: str,
+        extra: list[str],
+        program: list[str] | None = None,  # what runs `swarmd ARGS` (another bench's wrapper)
+    ):
         self.log_path = workdir / f"{name}.log"
-        cmd = [sys.executable, "-m", "swarmd", "run", "--port", "0", "--p2p-port", "0"]
+        cmd = program or [sys.executable, "-m", "swarmd"]
+        cmd = [*cmd, "run", "--port", "0", "--p2p-port", "0"]
         cmd += ["--data-dir", str(workdir / name), "--cache-dir", str(args.cache_dir), *extra]
         self.log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
