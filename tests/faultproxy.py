@@ -77,6 +77,7 @@ class FaultProxy:
         self._holed = False  # the whole proxy black-holed
         self._holed_pids: set[int] = set()
         self._conns: set[_Conn] = set()
+        self._accepting: set[asyncio.Task[Any]] = set()  # connections not joined yet
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
@@ -190,10 +191,31 @@ class FaultProxy:
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
+        # A connection still being accepted (its owner's pid looked up) is in no conn
+        # yet: cancelled here, it closes its socket itself. Every task is awaited, so
+        # none is left pending on the loop, nor a socket to a later test's GC.
+        tasks = list(self._accepting)
         for conn in list(self._conns):
+            tasks += conn.tasks
             self._abort(conn)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._accepting.add(task)
+        try:
+            await self._join(reader, writer)
+        except asyncio.CancelledError:
+            writer.transport.abort()
+            raise
+        finally:
+            self._accepting.discard(task)
+
+    async def _join(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
         conn = _Conn(writer)
         peer = writer.get_extra_info("peername")
