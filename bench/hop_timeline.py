@@ -104,7 +104,6 @@ def run_node(argv: list[str], stamps_path: Path) -> None:
     _around_async(ring.Ring, "_receive", "ring.recv")
     _around_async(stage_service, "_next", "svc.next")
     _around_sync(wire, "parse_step", "parse")
-    stage_service.wire.parse_step = wire.parse_step  # type: ignore[attr-defined]
     _around_sync(worker.TorchWorker, "submit", "submit", after_only=True)
     _around_sync(worker.TorchWorker, "_next", "worker.take", after_only=True)
     _around_sync(worker.TorchWorker, "_run_steps", "forward")
