@@ -176,6 +176,21 @@ class NoRouteError(UnavailableError):
         )
 
 
+class RouteBusyError(UnavailableError):
+    """Every holder of some layers stayed without room for a request until its queue
+    deadline (they hold the layers, but no session slot or KV room was free)."""
+
+    def __init__(self, model: str, missing: list[tuple[int, int]], need: int, waited_s: float):
+        self.model = model
+        self.missing = missing
+        ranges = ", ".join(f"[{a}:{b})" for a, b in missing) or "some layers"
+        super().__init__(
+            f"Every holder of layers {ranges} of model '{model}' stayed busy for "
+            f"{waited_s:.0f} s (no session slot or KV room for {need:,} tokens)",
+            retry_after_s=10,
+        )
+
+
 class RouteFailedError(UnavailableError):
     """A distributed route failed more often than the failover limit allows."""
 

@@ -124,7 +124,8 @@ class HeldModel:
             # What a session of another peer's route can get: the routes' 413 check
             # (route_capacity) must see the per-peer cap, or every stage would decline.
             free_kv_tokens=min(peers.free, peers.per_peer),
-            kv_budget_tokens=min(peers.per_peer, peers.total),
+            # 0 when it takes no peer's sessions at all, so that nobody waits for its room.
+            kv_budget_tokens=min(peers.per_peer, peers.total) if peers.limits.max_sessions else 0,
             throughput_tps=throughput_tps,
             state="ready",
             addrs=addrs,

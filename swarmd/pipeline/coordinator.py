@@ -26,6 +26,7 @@ from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAc
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.kept import KeptConversations
 from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
+from swarmd.pipeline.room import RoomQueue
 
 if TYPE_CHECKING:  # a node holding no layers never imports torch
     from swarmd.model.loader import LoadedModel
@@ -97,7 +98,14 @@ class Coordinator:
         self.in_flight = 0
         self._limits = limits
         self._slots = asyncio.Semaphore(limits.max_sessions)
-        self.waiting = 0  # requests queued for a slot or for KV room
+        self._queued = 0  # requests queued for a slot or for KV room
+        # Distributed requests whose stages are all busy wait here, woken as sessions end.
+        self.room = RoomQueue()
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued: for a session slot, for KV room, or for a busy stage."""
+        return self._queued + self.room.waiting
 
     def recent_tokens_per_second(self, model_id: str | None = None) -> float:
         """Median decode speed of the recent requests (of `model_id`; 0.0 before any)."""
@@ -143,11 +151,17 @@ class Coordinator:
         )
 
     async def plan(
-        self, need_tokens: int, sampling: SamplingParams, model: Routed, prompt: list[int]
+        self,
+        need_tokens: int,
+        sampling: SamplingParams,
+        model: Routed,
+        prompt: list[int],
+        deadline: float = 0.0,
     ) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm:
         the route of the conversation `prompt` continues, while it serves (its stages
-        hold that conversation's caches)."""
+        hold that conversation's caches). `deadline` (time.monotonic): how long a
+        distributed request may wait for a busy stage."""
         held = self.held.get(model.model_id)
         if held is not None and held.model.is_whole:
             hop = Hop(self.short_id, held.model.layers)
@@ -159,7 +173,16 @@ class Coordinator:
         if taken is not None:
             route, resume = taken
         return DistributedChain(
-            self.swarm, settings, route, records, need_tokens, self.false_reports, self.kept, resume
+            self.swarm,
+            settings,
+            route,
+            records,
+            need_tokens,
+            self.false_reports,
+            self.kept,
+            resume,
+            self.room,
+            deadline,
         )
 
     @asynccontextmanager
@@ -181,7 +204,7 @@ class Coordinator:
         budget = self.local_budget(request.model_id)
         try:
             deadline = time.monotonic() + self._limits.queue_timeout_s
-            self.waiting += 1
+            self._queued += 1
             try:
                 if budget is not None:
                     # FIFO for KV room: the whole session's tokens from now to its end.
@@ -196,12 +219,12 @@ class Coordinator:
                     f"{self._limits.queue_timeout_s:g} s"
                 ) from exc
             finally:
-                self.waiting -= 1
+                self._queued -= 1
             acquired = True
             self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(need, request.sampling, model, request.prompt_ids)
+            chain = await self.plan(need, request.sampling, model, request.prompt_ids, deadline)
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,

@@ -5,13 +5,17 @@ reached through the bridge). When a stage fails, the failover is the small algor
 STYLE habit 8:
 
 1. ban the peer to blame, on this node's own evidence only (with the peer table's
-   growing backoff); a stage that declined, or a peer another stage's unconfirmed report
-   named, is only left out of this request, and the teller of a report that proved
-   false is charged (`report.FalseReports`: a repeat offender is the one banned);
+   growing backoff); a peer another stage's unconfirmed report named is only left out of
+   this request, and the teller of a report that proved false is charged
+   (`report.FalseReports`: a repeat offender is the one banned);
 2. re-route only the broken range (`route.replan`: its standby, else any other holder);
 3. rebuild the session on the new route by replaying every step fed so far, as it was
    fed (the prompt's chunks, then each reply token; the last stage's sampler is told the
    reply tokens so penalties stay right), then retry the step that failed.
+
+A stage that declined (no room for the request now) is no failure: another holder of
+its range with room takes it, else the request waits in the node's `RoomQueue` and tries
+the same holders again, until its queue deadline (`RouteBusyError`).
 
 At most `max_failovers` times per request; then `RouteFailedError`. When nobody holds a
 range any more, `NoRouteError` names the missing layers. A stage that refused what the
@@ -22,6 +26,7 @@ no failover, nobody banned.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
@@ -30,6 +35,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.errors import (
     InternalError,
     NoRouteError,
+    RouteBusyError,
     RouteFailedError,
     StageFailedError,
     UnconfirmedReportError,
@@ -43,6 +49,7 @@ from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.kept import KeptConversations, Resume
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
+from swarmd.pipeline.room import RoomQueue
 from swarmd.pipeline.route import Route, plan_route, replan
 from swarmd.pipeline.stage_service import StageService
 
@@ -96,23 +103,46 @@ async def plan(
 ) -> tuple[Route, list[NodeRecord]]:
     """The best route for a new request and the holders' records it came from.
 
-    NoRouteError when the holders do not cover every layer.
+    NoRouteError when the holders do not cover every layer. When they do, but no holder
+    of some layers announces room for the request now, the route ignores the room they
+    announce: their own admission decides (a record's free tokens lag behind), and a
+    stage without room declines, which the chain waits out (`DistributedChain`).
     """
     records = await holders_for(access, settings.model_id, sampling)
     holds = route_capacity(records, settings.num_layers, access.banned())
     if holds is not None and need_tokens > holds:
         raise needs_more_than(need_tokens, holds)
-    route = plan_route(
+    try:
+        route = _plan(access, settings, records, access.banned(), need_tokens)
+    except NoRouteError:
+        route = _plan(access, settings, records, access.banned(), need_tokens, ignore_room=True)
+    return route, records
+
+
+def _plan(
+    access: SwarmAccess,
+    settings: ChainSettings,
+    records: list[NodeRecord],
+    banned: set[str],
+    need_tokens: int,
+    ignore_room: bool = False,
+) -> Route:
+    """The best route; `ignore_room`: over the holders whose budget could take
+    `need_tokens` once they have room, whatever room they announce now (NoRouteError when
+    nobody such holds some layers: busy holders are no reason to wait for one that could
+    never take it)."""
+    if ignore_room:
+        records = [r for r in records if r.kv_budget_tokens >= need_tokens]
+    return plan_route(
         settings.model_id,
         settings.num_layers,
         access.peer_id,
         records,
         rtt_ms=access.rtt_ms(),
         layer_ms=access.layer_ms(),
-        banned=access.banned(),
-        need_tokens=need_tokens,
+        banned=banned,
+        need_tokens=0 if ignore_room else need_tokens,
     )
-    return route, records
 
 
 async def holders_for(
@@ -162,11 +192,15 @@ class DistributedChain:
         false_reports: FalseReports | None = None,
         kept: KeptConversations | None = None,
         resume: Resume | None = None,
+        room: RoomQueue | None = None,
+        room_deadline: float = 0.0,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
         the node's ledger of conversations its routes keep (None: the stages keep
-        nothing); `resume`: the kept conversation this request continues, on `route`."""
+        nothing); `resume`: the kept conversation this request continues, on `route`;
+        `room`: where the request waits, until `room_deadline` (time.monotonic), when
+        every holder of some layers declines it for want of room (None: it fails then)."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -194,6 +228,11 @@ class DistributedChain:
         self._resume = resume  # tried on the first ring only
         self._reused = 0
         self._prompt_length = 0
+        self._room = room
+        self._room_deadline = room_deadline
+        self._declined: set[str] = set()  # had no room for this request at its last try
+        self._waiting_since: float | None = None
+        self.room_waits = 0  # times this request waited for a busy stage
 
     @property
     def is_local(self) -> bool:
@@ -232,6 +271,8 @@ class DistributedChain:
             self._kept.remember(
                 self._settings.model_id, self.route, ring.sid, self._steps, self._prompt_length
             )
+        if ring is not None and self._room is not None:
+            self._room.freed()  # its stages free what it held: the next waiter tries
 
     async def _drop_ring(self) -> None:
         ring, self._ring = self._ring, None
@@ -386,6 +427,9 @@ class DistributedChain:
 
     async def _fail_over(self, exc: StageFailedError) -> None:
         await self._drop_ring()
+        if exc.kind == "declined":
+            await self._find_room(exc)
+            return
         self.failovers += 1
         peer = exc.peer_id
         log.warning(
@@ -421,10 +465,48 @@ class DistributedChain:
         self.hops = _hops(self.route, self._records)
         self._stage_s = _carry_over(old, self.route, self._stage_s)
 
+    async def _find_room(self, exc: StageFailedError) -> None:
+        """A stage had no room for this request now (no failure: nobody is blamed, and it
+        is no failover): another holder of its range with room, else wait until the
+        holders that declined may have some, and try them again."""
+        log.info(
+            "stage declined request_id=%s peer=%s: %s",
+            self._session_id,
+            exc.peer_id[-8:] if exc.peer_id else "?",
+            exc,
+        )
+        if exc.peer_id is not None:
+            self._declined.add(exc.peer_id)
+        sent = self._sampling or SamplingParams()
+        self._records = await holders_for(self._access, self._settings.model_id, sent)
+        old = self.route
+        try:
+            route = self._replan(exc.peer_id)  # the decliner's range elsewhere, with room
+        except NoRouteError as busy:
+            if self._room is None:
+                raise
+            if self._waiting_since is None:
+                self._waiting_since = time.monotonic()
+            self.room_waits += 1
+            if not await self._room.wait(self._room_deadline):
+                waited = time.monotonic() - self._waiting_since
+                raise RouteBusyError(
+                    self._settings.model_id, busy.missing, self._need_tokens, waited
+                ) from exc
+            self._declined.clear()
+            self._records = await holders_for(self._access, self._settings.model_id, sent)
+            banned = self._access.banned() | self._excluded
+            route = _plan(
+                self._access, self._settings, self._records, banned, self._need_tokens, True
+            )
+        self.route = route
+        self.hops = _hops(route, self._records)
+        self._stage_s = _carry_over(old, route, self._stage_s)
+
     def _replan(self, peer: str | None) -> Route:
         """The route with `peer`'s stage replaced (None: planned afresh), avoiding every
-        banned or left-out peer."""
-        banned = self._access.banned() | self._excluded
+        banned or left-out peer, and those that had no room at the last try."""
+        banned = self._access.banned() | self._excluded | self._declined
         if peer is not None and peer in self.route.peers:
             return replan(
                 self.route,

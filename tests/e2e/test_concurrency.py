@@ -91,6 +91,27 @@ def test_stages_on_one_thread_each_reply_as_a_node_on_two_threads(
     assert got == expected
 
 
+def test_more_streams_than_a_stage_has_room_for_wait_their_turn_and_all_finish(
+    two_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    """Sixty streams through two stages whose second gives one peer's sessions room for
+    about 25 of them (half of its 3,000 KV tokens): each stream that finds it full waits
+    for room instead of failing (on the old code 80 of 100 such streams got 503, "layers
+    [15:30) are not served"), and every reply is its single-node reply."""
+    bodies = [chat_body(f"Name a colour and an animal, number {i}.", 12, True) for i in range(60)]
+    expected = references(embedded_node, bodies)
+    nodes = [two_stages["a"], two_stages["b"]]
+    outcomes = stream_all(nodes[0], bodies)
+    failed = [(i, o) for i, o in enumerate(outcomes) if o.failure or o.errors or not o.done]
+    assert failed == []
+    assert [o.text for o in outcomes] == expected
+    log = nodes[0].log_text()
+    assert "stage declined" in log  # the second stage was full: some streams waited
+    assert "peer banned" not in log and "stage failed" not in log
+    assert wait_until(lambda: all(int(n.health()["sessions"]) == 0 for n in nodes), 5.0)
+    assert all(int(n.health()["kv_reserved_tokens"]) == 0 for n in nodes)
+
+
 def _text_and_logprobs(reply: dict[str, Any]) -> tuple[str, list[float]]:
     choice = reply["choices"][0]
     return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]

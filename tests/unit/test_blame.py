@@ -10,6 +10,7 @@ the teller is the one banned. A refusal of what the request asked is a 4xx, no f
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,7 @@ from swarmd.errors import (
     KVRoomError,
     NoRouteError,
     PeerError,
+    RouteBusyError,
     StageFailedError,
     SwarmError,
     UnconfirmedReportError,
@@ -34,6 +36,7 @@ from swarmd.pipeline import wire
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, plan
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
+from swarmd.pipeline.room import RoomQueue
 from swarmd.pipeline.route import Route, plan_route
 from tests.unit.test_route import record as route_record
 
@@ -438,3 +441,81 @@ def test_a_stage_that_under_reports_its_compute_is_charged_the_round_trip() -> N
     chain = DistributedChain(swarm, SETTINGS, route, records, 100, FalseReports())
     chain._measure(wire.TokenReply(1, 7, (8.0, 0.0), 0), round_trip_s=0.058)
     assert swarm.measurements == {LIAR: pytest.approx(3.0)}
+
+
+# --- a stage without room: the request waits for one, nobody is blamed -------------------
+
+
+def test_when_every_holder_of_a_range_declines_the_request_waits_and_tries_them_again() -> None:
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)  # only a session's end wakes it here
+
+    async def request() -> None:
+        deadline = time.monotonic() + 60.0
+        chain = DistributedChain(
+            swarm, SETTINGS, first_route(swarm), RECORDS, 100, room=room, room_deadline=deadline
+        )
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "declined"))
+        assert chain.route.peers == (LIAR, HONEST2, LAST)  # the other holder first
+        failing_over = asyncio.ensure_future(
+            chain._fail_over(StageFailedError("no KV room", HONEST2, "declined"))
+        )
+        assert await _until(lambda: room.waiting == 1)
+        assert not failing_over.done()  # both holders of 10:20 are busy: it waits
+        room.freed()  # a session of this node ended
+        await asyncio.wait_for(failing_over, 5.0)
+        # Both decliners are eligible again: the best holder of 10:20 is tried first.
+        assert chain.route.peers == (LIAR, HONEST, LAST)
+        assert (chain.failovers, chain.room_waits, swarm.bans, room.waiting) == (0, 1, [], 0)
+
+    asyncio.run(request())
+
+
+def test_a_request_whose_stages_stay_busy_past_its_deadline_gets_a_busy_error() -> None:
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=0.05)
+
+    async def request() -> None:
+        deadline = time.monotonic() + 0.3
+        chain = DistributedChain(
+            swarm, SETTINGS, first_route(swarm), RECORDS, 100, room=room, room_deadline=deadline
+        )
+        with pytest.raises(RouteBusyError) as caught:
+            for _ in range(100):  # every try declined by whichever holder of 10:20 it asks
+                peer = chain.route.stages[1].peer_id
+                await chain._fail_over(StageFailedError("no KV room", peer, "declined"))
+        assert caught.value.missing == [(10, 20)]
+        assert "layers [10:20)" in str(caught.value) and "100 tokens" in str(caught.value)
+        assert chain.room_waits >= 2  # it polled while it waited
+        assert (chain.failovers, swarm.bans, room.waiting) == (0, [], 0)
+
+    asyncio.run(request())
+
+
+def test_a_plan_goes_through_busy_holders_but_never_ones_too_small_for_the_request() -> None:
+    """Records whose free tokens say "full" lag behind: the route ignores them (the
+    stages decide, and the chain waits for room); a holder whose whole budget is below
+    what the request needs would never take it, so there is no route through it."""
+    busy = [replace(r, free_kv_tokens=0) if r.layer_start == 10 else r for r in RECORDS]
+    small = [replace(r, kv_budget_tokens=50) if r.layer_start == 10 else r for r in busy]
+    plain = SamplingParams(temperature=0.0)
+
+    async def run() -> None:
+        route, _ = await plan(FakeSwarm(busy), SETTINGS, 100, plain)
+        assert route.peers == (LIAR, HONEST, LAST)
+        with pytest.raises(KVRoomError):  # no route could ever hold it: 413
+            await plan(FakeSwarm(small), SETTINGS, 100, plain)
+        mixed = [replace(r, kv_budget_tokens=50) if r.peer_id == HONEST else r for r in busy]
+        route, _ = await plan(FakeSwarm(mixed), SETTINGS, 100, plain)
+        assert route.peers == (LIAR, HONEST2, LAST)  # the one that could take it
+
+    asyncio.run(run())
+
+
+async def _until(predicate: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return False
