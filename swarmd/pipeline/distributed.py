@@ -49,7 +49,7 @@ from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.kept import KeptConversations, Resume
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
-from swarmd.pipeline.room import RoomQueue
+from swarmd.pipeline.room import RoomQueue, Ticket
 from swarmd.pipeline.route import Route, plan_route, replan
 from swarmd.pipeline.stage_service import StageService
 
@@ -231,7 +231,8 @@ class DistributedChain:
         self._room = room
         self._room_deadline = room_deadline
         self._declined: set[str] = set()  # had no room for this request at its last try
-        self._waiting_since: float | None = None
+        self._ticket: Ticket | None = None  # its place in line while stages are busy
+        self._waiting_since = 0.0
         self.room_waits = 0  # times this request waited for a busy stage
 
     @property
@@ -271,8 +272,14 @@ class DistributedChain:
             self._kept.remember(
                 self._settings.model_id, self.route, ring.sid, self._steps, self._prompt_length
             )
+        self._leave_room()
         if ring is not None and self._room is not None:
             self._room.freed()  # its stages free what it held: the next waiter tries
+
+    def _leave_room(self) -> None:
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None and self._room is not None:
+            self._room.leave(ticket)
 
     async def _drop_ring(self) -> None:
         ring, self._ring = self._ring, None
@@ -330,6 +337,7 @@ class DistributedChain:
             try:
                 if self._ring is None:
                     await self._build_ring()
+                    self._leave_room()  # the ring is open: it no longer waits in line
                 ring = self._ring
                 if ring is None:
                     raise InternalError("no ring")
@@ -485,11 +493,13 @@ class DistributedChain:
         except NoRouteError as busy:
             if self._room is None:
                 raise
-            if self._waiting_since is None:
+            if self._ticket is None:
+                self._ticket = self._room.join()
                 self._waiting_since = time.monotonic()
             self.room_waits += 1
-            if not await self._room.wait(self._room_deadline):
+            if not await self._room.wait(self._ticket, self._room_deadline):
                 waited = time.monotonic() - self._waiting_since
+                self._leave_room()
                 raise RouteBusyError(
                     self._settings.model_id, busy.missing, self._need_tokens, waited
                 ) from exc
