@@ -112,6 +112,50 @@ def test_more_streams_than_a_stage_has_room_for_wait_their_turn_and_all_finish(
     assert all(int(n.health()["kv_reserved_tokens"]) == 0 for n in nodes)
 
 
+def test_a_stage_killed_under_load_fails_over_while_its_standby_is_full(
+    tmp_path: Path, test_cache_dir: Path, embedded_node: NodeProcess, swarm_env: None
+) -> None:
+    """Forty streams through 0:15 and 15:30 with a standby of 15:30, each stage room for
+    about 20 of them: the busy 15:30 is killed mid-run. Its sessions fail over to the
+    standby, which has no room for all of them at once: those wait for room (no 503), and
+    every reply is its single-node reply."""
+    bodies = [
+        chat_body(f"Write two sentences about river number {i}.", 40, True) for i in range(40)
+    ]
+    expected = references(embedded_node, bodies)
+    args = ["--cache-dir", str(test_cache_dir), "--kv-budget-tokens", str(BUDGET)]
+    swarm = Swarm(tmp_path, args)
+    try:
+        swarm.start([("a", "0:15", None), ("b", "15:30", None), ("b2", "15:30", None)])
+        swarm.wait_holders("a", 3)
+        busier: list[str] = []
+
+        def kill_the_busier_holder() -> None:
+            def sessions(name: str) -> int:
+                return int(swarm[name].health()["sessions"])
+
+            if wait_until(lambda: max(sessions("b"), sessions("b2")) >= 10, 120.0):
+                busier.append(max(("b", "b2"), key=sessions))
+                swarm[busier[0]].proc.kill()
+
+        killer = threading.Thread(target=kill_the_busier_holder)
+        killer.start()
+        outcomes = stream_all(swarm["a"], bodies)
+        killer.join(timeout=130)
+        assert busier, "no holder of 15:30 ever held 10 sessions"
+        failed = [(i, o) for i, o in enumerate(outcomes) if o.failure or o.errors or not o.done]
+        assert failed == []
+        assert [o.text for o in outcomes] == expected
+        log = swarm["a"].log_text()
+        assert "stage failed" in log  # the killed stage's sessions failed over
+        assert "stage declined" in log  # and the standby had no room for all at once
+        survivor = swarm["b2" if busier[0] == "b" else "b"]
+        assert wait_until(lambda: int(survivor.health()["sessions"]) == 0, 5.0)
+        assert int(swarm["a"].health()["queued"]) == 0
+    finally:
+        swarm.stop()
+
+
 def _text_and_logprobs(reply: dict[str, Any]) -> tuple[str, list[float]]:
     choice = reply["choices"][0]
     return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]
