@@ -359,17 +359,19 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
             await asyncio.to_thread(model.check_grammar, grammar)
         max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
-        budget = coordinator.local_budget(model.model_id)
-        room = budget.total - len(prompt_ids) if budget is not None else 0
-        if req.token_limit() is None and room >= 1:
-            # No max_tokens: the rest of the context, or of what this node's KV holds.
-            max_tokens = min(max_tokens, room)
+        sampling = _sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE], grammar)
+        if req.token_limit() is None:
+            # No max_tokens: the rest of the context, or of what one session's KV can
+            # hold (this node's budget, or the best route's), whichever is smaller.
+            holds = await coordinator.session_room(model, sampling)
+            if holds is not None and holds - len(prompt_ids) >= 1:
+                max_tokens = min(max_tokens, holds - len(prompt_ids))
         gen_request = GenerationRequest(
             request_id=request_id,
             model_id=model.model_id,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=_sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE], grammar),
+            sampling=sampling,
             stop=req.stop_list(),
         )
     except Exception as exc:  # every rejected request leaves its DIAG line, bugs included

@@ -22,7 +22,14 @@ from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline.admission import KVBudget
 from swarmd.pipeline.chain import Hop, StageChain, route_kind
-from swarmd.pipeline.distributed import ChainSettings, DistributedChain, SwarmAccess, plan
+from swarmd.pipeline.distributed import (
+    ChainSettings,
+    DistributedChain,
+    SwarmAccess,
+    holders_for,
+    plan,
+    route_capacity,
+)
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 from swarmd.pipeline.kept import KeptConversations
 from swarmd.pipeline.report import FalseReports, RequestRecord, RequestRing, ms
@@ -141,6 +148,16 @@ class Coordinator:
         """This node's KV budget for a model it holds whole (None: it routes it)."""
         held = self.held.get(model_id)
         return held.kv_budget if held is not None and held.model.is_whole else None
+
+    async def session_room(self, model: Routed, sampling: SamplingParams) -> int | None:
+        """The most KV tokens one session of `model` can hold: this node's budget when it
+        holds the model whole, else what the best route over its holders could (None: a
+        layer has no holder, which planning reports)."""
+        budget = self.local_budget(model.model_id)
+        if budget is not None:
+            return budget.total
+        records = await holders_for(self.swarm, model.model_id, sampling)
+        return route_capacity(records, model.num_layers, self.swarm.banned())
 
     def settings_for(self, model: Routed) -> ChainSettings:
         return replace(

@@ -179,6 +179,42 @@ def test_a_request_over_the_routes_kv_budget_gets_413_and_the_swarm_keeps_servin
     assert status == 200 and reply["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_requests_without_max_tokens_through_two_stages_run_within_the_routes_budget(
+    two_stages: Swarm,
+) -> None:
+    """No max_tokens (as most clients send): the reply may run to what the route holds
+    for one session (1,500 of the 8,192-token context here), not a 413 for the whole
+    context; two such requests at once each reserve nearly all of it, so the second
+    waits for the first's room, and both complete."""
+    node = two_stages["a"]
+    bodies = [chat_body("Count from one to five.", 1), chat_body("Name three colours.", 1)]
+    for body in bodies:
+        del body["max_tokens"]
+    replies: list[tuple[int, dict[str, Any]] | None] = [None, None]
+
+    def one(i: int) -> None:
+        status, reply, _ = http_json(f"{node.url}/v1/chat/completions", bodies[i])
+        replies[i] = (status, reply)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for got in replies:
+        assert got is not None
+        status, reply = got
+        assert status == 200, reply
+        assert reply["choices"][0]["finish_reason"] in ("stop", "length")
+        usage = reply["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= BUDGET // 2
+    completion = {**chat_body("Say hi.", 1), "stream": True}
+    del completion["max_tokens"]
+    status, events = _stream_raw(node, completion)
+    assert status == 200 and events[-1] == "[DONE]"
+    assert all("error" not in e for e in events[:-1])
+
+
 @pytest.fixture(scope="module")
 def small_budget_node(
     test_cache_dir: Path, tmp_path_factory: pytest.TempPathFactory
