@@ -93,7 +93,7 @@ class Config:
     http_keepalive_timeout_s: float = 15.0  # an idle kept-alive connection is closed after
     max_connections: int = 1024  # open API connections in all; more get 503 and are closed
     max_connections_per_client: int = 256  # open API connections from one address
-    max_queued_requests: int = 256  # requests waiting for a session slot; more get 503
+    max_queued_requests: int = 256  # requests waiting for a slot or for room; more get 503
     default_temperature: float = 1.0  # when a request names none (OpenAI's default)
     log_level: str = "INFO"  # one of LOG_LEVELS
     layers: str = ""  # "START:END" to serve part of the model; "" = every layer; "auto"

@@ -44,7 +44,7 @@
     │   ├── RemoteError             the peer's handler failed (peer, method, type, message)
     │   ├── StageRefusedError       a stage will not open a session it cannot serve
     │   │   └── RequestRefusedError because of what the request asked (status, param)
-    │   └── StageFailedError        a stage of a route failed (peer, kind: lost|bad|declined)
+    │   └── StageFailedError        a stage of a route failed (peer, kind: lost|bad|declined|busy)
     │       └── UnconfirmedReportError  a report naming a peer that answered our check
     └── InternalError               a bug or a worker failure          -> 500
 
@@ -183,10 +183,11 @@ class RouteBusyError(UnavailableError):
     def __init__(self, model: str, missing: list[tuple[int, int]], need: int, waited_s: float):
         self.model = model
         self.missing = missing
-        ranges = ", ".join(f"[{a}:{b})" for a, b in missing) or "some layers"
+        ranges = ", ".join(f"[{a}:{b})" for a, b in missing)
+        which = f"Every holder of layers {ranges}" if ranges else "A stage"
         super().__init__(
-            f"Every holder of layers {ranges} of model '{model}' stayed busy for "
-            f"{waited_s:.0f} s (no session slot or KV room for {need:,} tokens)",
+            f"{which} of model '{model}' stayed busy for {waited_s:.0f} s "
+            f"(no session slot or KV room for {need:,} tokens)",
             retry_after_s=10,
         )
 
@@ -309,7 +310,8 @@ class StageFailedError(PeerError):
     """A stage of a distributed route failed; `peer_id` names the culprit when known.
 
     kind: "lost" (connection gone or silent), "bad" (sent garbage: banned), "declined"
-    (would not open the session now or here: left out of this request only).
+    (would not open the session here: left out of this request only), "busy" (no room
+    for it now: another holder takes it, or the request waits for room).
     """
 
     def __init__(self, message: str, peer_id: str | None, kind: str) -> None:

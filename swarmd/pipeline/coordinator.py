@@ -200,6 +200,7 @@ class Coordinator:
             resume,
             self.room,
             deadline,
+            self._limits.queue_timeout_s,
         )
 
     @asynccontextmanager

@@ -13,9 +13,10 @@ STYLE habit 8:
    fed (the prompt's chunks, then each reply token; the last stage's sampler is told the
    reply tokens so penalties stay right), then retry the step that failed.
 
-A stage that declined (no room for the request now) is no failure: another holder of
-its range with room takes it, else the request waits in the node's `RoomQueue` and tries
-the same holders again, until its queue deadline (`RouteBusyError`).
+A stage that is busy (no room for the request now) is no failure: another holder of its
+range with room takes it, else the request waits in the node's `RoomQueue` and tries the
+same holders again, until its deadline (`RouteBusyError`). A stage that declined for any
+other reason is left out of the request.
 
 At most `max_failovers` times per request; then `RouteFailedError`. When nobody holds a
 range any more, `NoRouteError` names the missing layers. A stage that refused what the
@@ -194,13 +195,15 @@ class DistributedChain:
         resume: Resume | None = None,
         room: RoomQueue | None = None,
         room_deadline: float = 0.0,
+        room_wait_s: float = 0.0,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
         the node's ledger of conversations its routes keep (None: the stages keep
         nothing); `resume`: the kept conversation this request continues, on `route`;
-        `room`: where the request waits, until `room_deadline` (time.monotonic), when
-        every holder of some layers declines it for want of room (None: it fails then)."""
+        `room`: where the request waits when every holder of some layers is busy (None:
+        those are left out, as stages that declined): until `room_deadline`
+        (time.monotonic) before its first step, for `room_wait_s` at a time after it."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -231,8 +234,10 @@ class DistributedChain:
         self._room = room
         self._room_deadline = room_deadline
         self._declined: set[str] = set()  # had no room for this request at its last try
+        self._room_wait_s = room_wait_s
         self._ticket: Ticket | None = None  # its place in line while stages are busy
         self._waiting_since = 0.0
+        self._wait_until = 0.0
         self.room_waits = 0  # times this request waited for a busy stage
 
     @property
@@ -267,14 +272,16 @@ class DistributedChain:
         """End the session; its stages keep their caches, and this node remembers what
         they hold, for the conversation's next turn."""
         ring = self._ring
-        await self._drop_ring()
+        try:
+            await self._drop_ring()
+        finally:
+            self._leave_room()  # its place in line goes whatever happens
         if ring is not None and self._kept is not None and self._keeps(self.route):
             self._kept.remember(
                 self._settings.model_id, self.route, ring.sid, self._steps, self._prompt_length
             )
-        self._leave_room()
         if ring is not None and self._room is not None:
-            self._room.freed()  # its stages free what it held: the next waiter tries
+            self._room.freed()  # its stages free what it held: the waiters try
 
     def _leave_room(self) -> None:
         ticket, self._ticket = self._ticket, None
@@ -435,7 +442,7 @@ class DistributedChain:
 
     async def _fail_over(self, exc: StageFailedError) -> None:
         await self._drop_ring()
-        if exc.kind == "declined":
+        if exc.kind == "busy" and self._room is not None:
             await self._find_room(exc)
             return
         self.failovers += 1
@@ -475,40 +482,49 @@ class DistributedChain:
 
     async def _find_room(self, exc: StageFailedError) -> None:
         """A stage had no room for this request now (no failure: nobody is blamed, and it
-        is no failover): another holder of its range with room, else wait until the
-        holders that declined may have some, and try them again."""
+        is no failover): another holder of its range with room, else wait in line until
+        the busy holders may have some, and try them again. Each call checks the deadline,
+        so a stage that keeps saying "busy" costs a wait per try, never a loop."""
         log.info(
             "stage declined request_id=%s peer=%s: %s",
             self._session_id,
-            exc.peer_id[-8:] if exc.peer_id else "?",
+            exc.peer_id[-8:] if exc.peer_id else "this node",
             exc,
         )
-        if exc.peer_id is not None:
-            self._declined.add(exc.peer_id)
+        assert self._room is not None
+        now = time.monotonic()
+        if self._ticket is None:  # a new wait: before the first step, within admission's
+            self._waiting_since = now
+            self._wait_until = self._room_deadline if not self._steps else now + self._room_wait_s
+        peer = exc.peer_id
         sent = self._sampling or SamplingParams()
         self._records = await holders_for(self._access, self._settings.model_id, sent)
         old = self.route
-        try:
-            route = self._replan(exc.peer_id)  # the decliner's range elsewhere, with room
-        except NoRouteError as busy:
-            if self._room is None:
-                raise
+        route: Route | None = None
+        missing: list[tuple[int, int]] = []
+        if peer is not None:
+            self._declined.add(peer)
+            try:
+                route = self._replan(peer)  # the busy range elsewhere, with room
+            except NoRouteError as busy:
+                missing = busy.missing
+        if route is None:
             if self._ticket is None:
-                self._ticket = self._room.join()
-                self._waiting_since = time.monotonic()
+                self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             self.room_waits += 1
-            if not await self._room.wait(self._ticket, self._room_deadline):
-                waited = time.monotonic() - self._waiting_since
+            if not await self._room.wait(self._ticket, self._wait_until):
                 self._leave_room()
-                raise RouteBusyError(
-                    self._settings.model_id, busy.missing, self._need_tokens, waited
-                ) from exc
+                waited = time.monotonic() - self._waiting_since
+                model = self._settings.model_id
+                raise RouteBusyError(model, missing, self._need_tokens, waited) from exc
             self._declined.clear()
             self._records = await holders_for(self._access, self._settings.model_id, sent)
             banned = self._access.banned() | self._excluded
-            route = _plan(
-                self._access, self._settings, self._records, banned, self._need_tokens, True
-            )
+            args = (self._access, self._settings, self._records, banned, self._need_tokens)
+            try:
+                route = _plan(*args)  # a holder whose record shows room, first
+            except NoRouteError:
+                route = _plan(*args, ignore_room=True)
         self.route = route
         self.hops = _hops(route, self._records)
         self._stage_s = _carry_over(old, route, self._stage_s)
@@ -555,7 +571,7 @@ class DistributedChain:
                 return False  # and its word about the named peer is dismissed
             if peer is not None:
                 self._excluded.add(peer)
-        elif peer is not None and exc.kind == "declined":
+        elif peer is not None and exc.kind in ("declined", "busy"):
             self._excluded.add(peer)
         elif peer is not None:
             await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")

@@ -26,7 +26,8 @@ offender). A "bad frame" report a ping cannot disprove: Y may feed one neighbour
 and answer this node, so that teller is never charged (the neighbour bans Y itself). A
 stage naming itself confesses, and is blamed; a report naming this node blames nobody.
 A `refused` report fails the request with its 4xx (`InvalidRequestError`, or
-`KVRoomError` for 413); a `declined` one leaves its stage out of this request.
+`KVRoomError` for 413); a `declined` one leaves its stage out of this request (kind
+"busy" when the stage only lacks room now: the chain may wait for it).
 
 The ring never retries: failover is the caller's (`distributed.DistributedChain`).
 """
@@ -288,7 +289,11 @@ class Ring:
         if fail.kind == "refused":
             return refusal_error(fail)
         if fail.kind == "declined":
-            return StageFailedError(fail.why, named, "declined")
+            # "busy": no room now, which the chain may wait out. Only a stage of the route
+            # (or this node's own) lacks room of its own: naming anyone else is no reason
+            # to wait.
+            busy = wire.is_busy(fail) and (named is not None or fail.peer_id == me)
+            return StageFailedError(fail.why, named, "busy" if busy else "declined")
         reporter = self._reporter(source)
         if fail.peer_id == me or reporter is None:
             return StageFailedError(fail.why, None, fail.kind)  # nothing to check, nobody to ban

@@ -234,8 +234,8 @@ class StageService:
             return
         why = self._reserve(stage, up.peer_id, req.max_length)
         if why is not None:
-            # Declined, not failed: the coordinator leaves this stage out of this request only.
-            await _report(up, wire.fail_frame(self.peer_id, why, "declined"))
+            # No room now, not a failure: the coordinator tries another holder or waits.
+            await _report(up, wire.busy_frame(self.peer_id, why))
             return
         try:
             await self._open_and_run(stage, up, req)
@@ -275,7 +275,10 @@ class StageService:
                 reused = await stage.run(opening, self.timeouts.step_s)
             except (OverloadedError, InternalError) as exc:  # no slot, or a duplicate sid
                 refused = True  # nothing of this stream's to free (nor another's to touch)
-                await _report(up, wire.fail_frame(self.peer_id, str(exc), "declined"))
+                if isinstance(exc, OverloadedError):
+                    await _report(up, wire.busy_frame(self.peer_id, str(exc)))
+                else:
+                    await _report(up, wire.fail_frame(self.peer_id, str(exc), "declined"))
                 return
             if req.resume is not None and reused != req.resume[1]:
                 req = replace(req, resume=None)  # the stages after this one prefill too

@@ -38,9 +38,12 @@ towards the coordinator: upstream when its next stage is lost, downstream (on th
 last stage's return stream) when what came from upstream is bad or was cut. The report
 moves away from the peer it names, so a faulty peer cannot swallow it. `declined`: the
 stage cannot take this session now or here (no KV room or slot, layers it no longer
-holds); the coordinator routes around it. `refused`: the *request* asked what the stage
-will not serve (`status` 400 or 413, `param` the parameter): the request fails with
-that status, nobody is banned, nothing fails over.
+holds); the coordinator routes around it. A `declined` whose `why` begins with `busy: `
+(`BUSY`) says "no room now" (a KV reservation or session slot): a coordinator with no
+other holder waits for room and asks again; any other says "not here", and the stage is
+left out of the request (older coordinators read both as the latter). `refused`: the
+*request* asked what the stage will not serve (`status` 400 or 413, `param` the
+parameter): the request fails with that status, nobody is banned, nothing fails over.
 
 Everything here comes from peers: every field is checked, explicitly, before use.
 Structural garbage raises `MalformedFrameError` (the sender is banned); a well-formed
@@ -452,6 +455,18 @@ def fail_frame(
         status=status if status in REFUSAL_STATUSES else 400,
         param=param if param in bounds.PARAMS else None,
     )
+
+
+BUSY = "busy: "  # how a `declined` report's why begins when the stage lacks room only
+
+
+def busy_frame(peer_id: str, why: str) -> dict[str, Any]:
+    """A stage declines an open for want of room now (the coordinator may wait)."""
+    return fail_frame(peer_id, BUSY + why, "declined")
+
+
+def is_busy(fail: Fail) -> bool:
+    return fail.kind == "declined" and fail.why.startswith(BUSY)
 
 
 def refusal_frame(peer_id: str, exc: StageRefusedError) -> dict[str, Any]:

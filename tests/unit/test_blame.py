@@ -455,10 +455,10 @@ def test_when_every_holder_of_a_range_declines_the_request_waits_and_tries_them_
         chain = DistributedChain(
             swarm, SETTINGS, first_route(swarm), RECORDS, 100, room=room, room_deadline=deadline
         )
-        await chain._fail_over(StageFailedError("no KV room", HONEST, "declined"))
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
         assert chain.route.peers == (LIAR, HONEST2, LAST)  # the other holder first
         failing_over = asyncio.ensure_future(
-            chain._fail_over(StageFailedError("no KV room", HONEST2, "declined"))
+            chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
         )
         assert await _until(lambda: room.waiting == 1)
         assert not failing_over.done()  # both holders of 10:20 are busy: it waits
@@ -484,9 +484,9 @@ def test_a_request_whose_stages_stay_busy_past_its_deadline_gets_a_busy_error() 
             swarm, SETTINGS, first_route(swarm), RECORDS, 100, room=room, room_deadline=deadline
         )
         with pytest.raises(RouteBusyError) as caught:
-            for _ in range(100):  # every try declined by whichever holder of 10:20 it asks
+            for _ in range(100):  # every try turned down by whichever holder of 10:20 it asks
                 peer = chain.route.stages[1].peer_id
-                await chain._fail_over(StageFailedError("no KV room", peer, "declined"))
+                await chain._fail_over(StageFailedError("no KV room", peer, "busy"))
         assert caught.value.missing == [(10, 20)]
         assert "layers [10:20)" in str(caught.value) and "100 tokens" in str(caught.value)
         assert chain.room_waits >= 2  # it polled while it waited
@@ -513,6 +513,76 @@ def test_a_plan_goes_through_busy_holders_but_never_ones_too_small_for_the_reque
         assert route.peers == (LIAR, HONEST2, LAST)  # the one that could take it
 
     asyncio.run(run())
+
+
+def test_a_busy_stage_that_names_nobody_waits_each_try_and_fails_at_the_deadline() -> None:
+    """This node's own stage busy (the report names no route peer): no other holder to
+    try, so every try waits, and past the deadline the request fails at once: a stage
+    that keeps saying "busy" can never make it loop."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=0.02)
+
+    async def request() -> None:
+        chain = DistributedChain(
+            swarm,
+            SETTINGS,
+            first_route(swarm),
+            RECORDS,
+            100,
+            room=room,
+            room_deadline=time.monotonic() + 0.2,
+        )
+        started = time.monotonic()
+        with pytest.raises(RouteBusyError) as caught:
+            for _ in range(1000):
+                await chain._fail_over(StageFailedError("no KV room", None, "busy"))
+        assert 0.15 < time.monotonic() - started < 5.0
+        assert chain.room_waits < 50  # one try per poll, not a hot loop
+        assert caught.value.missing == [] and "A stage of model 'm'" in str(caught.value)
+        assert (chain.failovers, swarm.bans, room.waiting) == (0, [], 0)
+
+    asyncio.run(request())
+
+
+def test_a_stage_declining_for_another_reason_is_left_out_even_with_a_line_to_wait_in() -> None:
+    """ "Not here" (a model or layers it does not serve, a next hop it cannot reach) is no
+    lack of room: waiting would not help, so the stage is left out and, with no other
+    holder, the request fails at once, as before."""
+    swarm = FakeSwarm([r for r in RECORDS if r.peer_id != HONEST2])
+    room = RoomQueue()
+
+    async def request() -> None:
+        route = plan_route(MODEL, L, COORD, swarm.records, need_tokens=100)
+        chain = DistributedChain(
+            swarm,
+            SETTINGS,
+            route,
+            swarm.records,
+            100,
+            room=room,
+            room_deadline=time.monotonic() + 60.0,
+        )
+        with pytest.raises(NoRouteError):
+            await chain._fail_over(StageFailedError("does not serve 'm'", HONEST, "declined"))
+        assert (swarm.bans, room.waiting) == ([], 0)
+
+    asyncio.run(request())
+
+
+def test_only_a_route_stage_or_this_node_saying_busy_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ring = make_ring((LIAR, HONEST, LAST))
+    for peer, kind, named in [
+        (HONEST, "busy", HONEST),  # a stage of the route has no room
+        (COORD, "busy", None),  # this node's own stage has none
+        (FIRST2, "declined", None),  # "busy" about a peer off the route: not waited for
+    ]:
+        error, pinged = judge(monkeypatch, ring, wire.busy_frame(peer, "no KV room"), "up")
+        assert isinstance(error, StageFailedError)
+        assert (error.kind, error.peer_id, pinged) == (kind, named, [])
+    error, _ = judge(monkeypatch, ring, wire.fail_frame(HONEST, "no such model", "declined"), "up")
+    assert (error.kind, error.peer_id) == ("declined", HONEST)
 
 
 async def _until(predicate: Any, timeout_s: float = 5.0) -> bool:

@@ -9,6 +9,7 @@ import time
 from swarmd.pipeline.room import RoomQueue, Ticket
 
 FAR = 60.0
+KEY = ("m", ((10, 20),))
 
 
 def test_each_ended_session_wakes_the_first_waiting_request_in_arrival_order() -> None:
@@ -21,7 +22,7 @@ def test_each_ended_session_wakes_the_first_waiting_request_in_arrival_order() -
             woken.append(n)
             room.leave(ticket)  # admitted
 
-        tickets = [room.join() for _ in range(3)]
+        tickets = [room.join(KEY) for _ in range(3)]
         tasks = [asyncio.ensure_future(request(n, t)) for n, t in enumerate(tickets)]
         await asyncio.sleep(0.01)
         assert room.waiting == 3
@@ -39,7 +40,7 @@ def test_each_ended_session_wakes_the_first_waiting_request_in_arrival_order() -
 def test_a_request_declined_again_keeps_its_place_and_only_the_first_polls() -> None:
     async def run() -> None:
         room = RoomQueue(poll_s=0.05)
-        first, second = room.join(), room.join()
+        first, second = room.join(KEY), room.join(KEY)
         started = time.monotonic()
         assert await room.wait(first, started + FAR)  # nothing ended: back after a poll
         assert 0.04 <= time.monotonic() - started < 5.0
@@ -61,9 +62,9 @@ def test_a_request_declined_again_keeps_its_place_and_only_the_first_polls() -> 
 def test_no_wait_past_the_deadline_and_a_request_that_left_wakes_nobody() -> None:
     async def run() -> None:
         room = RoomQueue(poll_s=30.0)
-        ticket = room.join()
+        ticket = room.join(KEY)
         assert not await room.wait(ticket, time.monotonic() - 0.001)
-        gone, stays = room.join(), room.join()
+        gone, stays = room.join(KEY), room.join(KEY)
         gone_waits = asyncio.ensure_future(room.wait(gone, time.monotonic() + FAR))
         stays_waits = asyncio.ensure_future(room.wait(stays, time.monotonic() + FAR))
         await asyncio.sleep(0.01)
@@ -73,6 +74,60 @@ def test_no_wait_past_the_deadline_and_a_request_that_left_wakes_nobody() -> Non
         assert await asyncio.wait_for(stays_waits, 5.0)
         room.leave(stays)
         room.freed()  # nobody in line: nothing happens, nothing is kept for later
+        assert room.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_one_lines_busy_stages_never_hold_up_another_line() -> None:
+    """A request waiting for a stage that stays full (first of its line, polling) does not
+    keep a request for other layers from its wakes, nor from polling itself."""
+
+    async def run() -> None:
+        room = RoomQueue(poll_s=0.05)
+        stuck = room.join(KEY)
+        other = room.join(("m", ((20, 30),)))
+        stuck_waits = asyncio.ensure_future(room.wait(stuck, time.monotonic() + FAR))
+        other_waits = asyncio.ensure_future(room.wait(other, time.monotonic() + FAR))
+        await asyncio.sleep(0.01)
+        room.freed()  # wakes the first waiting request of every line
+        assert await asyncio.wait_for(stuck_waits, 5.0)
+        assert await asyncio.wait_for(other_waits, 5.0)
+        started = time.monotonic()
+        assert await room.wait(other, started + FAR)  # first of its own line: it polls
+        assert time.monotonic() - started < 5.0
+        assert room.waiting == 2
+        room.leave(stuck)
+        room.leave(other)
+        assert room.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_wake_that_reaches_a_request_as_it_is_cancelled_is_not_lost() -> None:
+    """Woken, then cancelled before it runs: either it still takes the wake (asyncio's
+    wait_for on 3.11 returns the result and drops the cancellation), or the wake goes on
+    to the next waiting request; never neither."""
+
+    async def run() -> None:
+        room = RoomQueue(poll_s=30.0)
+        first, gone, stays = room.join(KEY), room.join(KEY), room.join(KEY)
+        gone_waits = asyncio.ensure_future(room.wait(gone, time.monotonic() + FAR))
+        stays_waits = asyncio.ensure_future(room.wait(stays, time.monotonic() + FAR))
+        await asyncio.sleep(0.01)
+        room.freed()  # `first` is trying, not waiting: `gone` gets the wake ...
+        gone_waits.cancel()  # ... and its client leaves before it runs
+        await asyncio.wait({gone_waits}, timeout=5.0)
+        took_it = not gone_waits.cancelled() and gone_waits.result() is True
+        room.leave(gone)
+        if not took_it:
+            assert await asyncio.wait_for(stays_waits, 5.0)  # the wake was passed on
+        else:
+            await asyncio.sleep(0.05)
+            assert not stays_waits.done()  # one wake, one try
+            stays_waits.cancel()
+        room.leave(first)
+        room.leave(stays)
         assert room.waiting == 0
 
     asyncio.run(run())
