@@ -468,7 +468,7 @@ class DistributedChain:
         self._records = await holders_for(self._access, self._settings.model_id, sent)
         old = self.route
         try:
-            self.route = self._replan(peer)
+            self.route = self._replan_through_busy(peer)
         except NoRouteError:
             if not isinstance(exc, UnconfirmedReportError) or peer is None:
                 raise
@@ -519,39 +519,48 @@ class DistributedChain:
                 raise RouteBusyError(model, missing, self._need_tokens, waited) from exc
             self._declined.clear()
             self._records = await holders_for(self._access, self._settings.model_id, sent)
-            banned = self._access.banned() | self._excluded
-            args = (self._access, self._settings, self._records, banned, self._need_tokens)
-            try:
-                route = _plan(*args)  # a holder whose record shows room, first
-            except NoRouteError:
-                route = _plan(*args, ignore_room=True)
+            route = self._replan_through_busy(None)  # one whose record shows room first
         self.route = route
         self.hops = _hops(route, self._records)
         self._stage_s = _carry_over(old, route, self._stage_s)
 
-    def _replan(self, peer: str | None) -> Route:
+    def _replan_through_busy(self, peer: str | None) -> Route:
+        """`_replan`, and when every other holder of a range announces no room, through
+        those whose budget could take the request anyway (with a `RoomQueue`): a record's
+        free tokens lag, and a stage really full says "busy", which is waited out."""
+        try:
+            return self._replan(peer)
+        except NoRouteError:
+            if self._room is None:
+                raise
+            return self._replan(peer, ignore_room=True)
+
+    def _replan(self, peer: str | None, ignore_room: bool = False) -> Route:
         """The route with `peer`'s stage replaced (None: planned afresh), avoiding every
         banned or left-out peer, and those that had no room at the last try."""
         banned = self._access.banned() | self._excluded | self._declined
+        records, need = self._records, self._need_tokens
+        if ignore_room:
+            records, need = [r for r in records if r.kv_budget_tokens >= need], 0
         if peer is not None and peer in self.route.peers:
             return replan(
                 self.route,
                 peer,
-                self._records,
+                records,
                 rtt_ms=self._access.rtt_ms(),
                 layer_ms=self._access.layer_ms(),
                 banned=banned,
-                need_tokens=self._need_tokens,
+                need_tokens=need,
             )
         return plan_route(  # nobody to blame: a fresh route (maybe the same peers)
             self.route.model_id,
             self.route.num_layers,
             self._access.peer_id,
-            self._records,
+            records,
             rtt_ms=self._access.rtt_ms(),
             layer_ms=self._access.layer_ms(),
             banned=banned,
-            need_tokens=self._need_tokens,
+            need_tokens=need,
         )
 
     async def _blame(self, exc: StageFailedError, peer: str | None) -> bool:

@@ -585,6 +585,28 @@ def test_only_a_route_stage_or_this_node_saying_busy_is_waited_for(
     assert (error.kind, error.peer_id) == ("declined", HONEST)
 
 
+def test_a_lost_stages_range_goes_to_a_standby_whose_record_shows_no_room() -> None:
+    """Records lag: a standby announcing no room may have some by the time the ring
+    opens, and if not it says "busy" and the request waits. So a failover goes through
+    it rather than ending the reply with "not served" (without a line to wait in, the
+    old rule stands)."""
+    full = [replace(r, free_kv_tokens=0) if r.peer_id == HONEST2 else r for r in RECORDS]
+
+    async def request(room: RoomQueue | None) -> Route:
+        swarm = FakeSwarm(full)
+        route = plan_route(MODEL, L, COORD, full, need_tokens=100)
+        chain = DistributedChain(
+            swarm, SETTINGS, route, full, 100, room=room, room_deadline=time.monotonic() + 60
+        )
+        await chain._fail_over(StageFailedError("stage lost", HONEST, "lost"))
+        assert swarm.banned() == {HONEST}
+        return chain.route
+
+    assert asyncio.run(request(RoomQueue())).peers == (LIAR, HONEST2, LAST)
+    with pytest.raises(NoRouteError):
+        asyncio.run(request(None))
+
+
 async def _until(predicate: Any, timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
