@@ -16,9 +16,34 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from swarmd.errors import KVRoomError, OverloadedError
+from swarmd.errors import ClientDisconnectedError, KVRoomError, OverloadedError
+
+T = TypeVar("T")
+
+GONE_CHECK_S = 0.5  # how often a waiting request looks whether its client is still there
+
+
+async def unless_gone(waiting: Awaitable[T], client_gone: Callable[[], bool]) -> T:
+    """`waiting`'s result, unless `client_gone` says (asked every `GONE_CHECK_S`) that the
+    client left first: then `waiting` is cancelled (it gives back what it took) and
+    ClientDisconnectedError raised. A request whose client left would otherwise keep its
+    place in a queue for minutes, and run (if only to its first step) when let in."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=GONE_CHECK_S)
+            if done:
+                return task.result()
+            if client_gone():
+                raise ClientDisconnectedError("The client closed the connection while waiting")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def needs_more_than(need: int, holds: int) -> KVRoomError:
@@ -148,6 +173,13 @@ class PeerBudget:
         """(sessions, tokens) `peer_id` holds here now."""
         hold = self._holds.get(peer_id, _PeerHold())
         return hold.sessions, hold.tokens
+
+    def never_fits(self, tokens: int) -> str | None:
+        """Why a remote session of `tokens` can never be held here, however long it waits."""
+        cap = min(self.total, self.per_peer)
+        if tokens > cap:
+            return f"a session of {tokens:,} tokens never fits here ({cap:,} for one peer)"
+        return None
 
     def try_reserve(self, peer_id: str, tokens: int) -> str | None:
         """Reserve now, or say why not (a refusal the coordinator routes around)."""

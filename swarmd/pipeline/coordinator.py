@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
 from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
-from swarmd.pipeline.admission import KVBudget
+from swarmd.pipeline.admission import KVBudget, unless_gone
 from swarmd.pipeline.chain import Hop, StageChain, route_kind
 from swarmd.pipeline.distributed import (
     ChainSettings,
@@ -174,6 +174,7 @@ class Coordinator:
         model: Routed,
         prompt: list[int],
         deadline: float = 0.0,
+        client_gone: Callable[[], bool] = lambda: False,
     ) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm:
         the route of the conversation `prompt` continues, while it serves (its stages
@@ -201,6 +202,7 @@ class Coordinator:
             self.room,
             deadline,
             self._limits.queue_timeout_s,
+            client_gone,
         )
 
     @asynccontextmanager
@@ -223,7 +225,9 @@ class Coordinator:
         try:
             deadline = time.monotonic() + self._limits.queue_timeout_s
             self._queued += 1
-            try:
+
+            async def admit() -> None:
+                nonlocal reserved, acquired
                 if budget is not None:
                     # FIFO for KV room: the whole session's tokens from now to its end.
                     await budget.reserve(need, self._limits.queue_timeout_s)
@@ -231,6 +235,11 @@ class Coordinator:
                 await asyncio.wait_for(
                     self._slots.acquire(), max(0.01, deadline - time.monotonic())
                 )
+                acquired = True
+                self.in_flight += 1
+
+            try:
+                await unless_gone(admit(), client_gone)
             except TimeoutError as exc:
                 raise OverloadedError(
                     f"All {self._limits.max_sessions} session slots stayed busy for "
@@ -238,11 +247,11 @@ class Coordinator:
                 ) from exc
             finally:
                 self._queued -= 1
-            acquired = True
-            self.in_flight += 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
-            chain = await self.plan(need, request.sampling, model, request.prompt_ids, deadline)
+            chain = await self.plan(
+                need, request.sampling, model, request.prompt_ids, deadline, client_gone
+            )
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
                 request,

@@ -196,6 +196,7 @@ class DistributedChain:
         room: RoomQueue | None = None,
         room_deadline: float = 0.0,
         room_wait_s: float = 0.0,
+        client_gone: Callable[[], bool] = lambda: False,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
@@ -203,7 +204,8 @@ class DistributedChain:
         nothing); `resume`: the kept conversation this request continues, on `route`;
         `room`: where the request waits when every holder of some layers is busy (None:
         those are left out, as stages that declined): until `room_deadline`
-        (time.monotonic) before its first step, for `room_wait_s` at a time after it."""
+        (time.monotonic) before its first step, for `room_wait_s` at a time after it, or
+        until `client_gone` says its client left."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -239,6 +241,7 @@ class DistributedChain:
         self._waiting_since = 0.0
         self._wait_until = 0.0
         self.room_waits = 0  # times this request waited for a busy stage
+        self._client_gone = client_gone
 
     @property
     def is_local(self) -> bool:
@@ -512,7 +515,7 @@ class DistributedChain:
             if self._ticket is None:
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             self.room_waits += 1
-            if not await self._room.wait(self._ticket, self._wait_until):
+            if not await self._room.wait(self._ticket, self._wait_until, self._client_gone):
                 self._leave_room()
                 waited = time.monotonic() - self._waiting_since
                 model = self._settings.model_id

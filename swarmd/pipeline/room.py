@@ -9,7 +9,7 @@ waiting request of every line is woken to try again; the first of each line also
 every `poll_s`, for room that other nodes' sessions free, which this node is not told
 of (only the first, so a long line does not knock on the stages all at once). One
 line's busy stages never hold up another line. A request waits at most until its
-deadline, then gets 503 (`RouteBusyError`).
+deadline, then gets 503 (`RouteBusyError`); one whose client left goes at once.
 
     ticket = room.join(key)
     while declined:
@@ -22,11 +22,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+
+from swarmd.errors import ClientDisconnectedError
+from swarmd.pipeline.admission import GONE_CHECK_S
 
 __all__ = ["RoomQueue", "Ticket"]
 
 POLL_S = 0.5  # how often the first of a line tries when no session of this node ends
+
+
+def _never() -> bool:
+    return False
 
 
 class Ticket:
@@ -65,9 +72,13 @@ class RoomQueue:
             # in may hold another), then every poll_s.
             _wake(line[0])
 
-    async def wait(self, ticket: Ticket, deadline: float) -> bool:
+    async def wait(
+        self, ticket: Ticket, deadline: float, gone: Callable[[], bool] = _never
+    ) -> bool:
         """Until a session ends (or, first in line, the poll interval); False once
-        `deadline` (time.monotonic) has passed, without waiting."""
+        `deadline` (time.monotonic) has passed, without waiting. `gone` is asked every
+        `GONE_CHECK_S` while it waits: when it says the client left, the request leaves
+        its line (ClientDisconnectedError) instead of keeping its place to the end."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -77,10 +88,16 @@ class RoomQueue:
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket.woken = woken
         timeout = min(self._poll_s, remaining) if line[0] is ticket else remaining
+        until = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(woken, timeout)
-        except TimeoutError:
-            pass
+            while not woken.done():
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                await asyncio.wait({woken}, timeout=min(left, GONE_CHECK_S))
+                if not woken.done() and gone():
+                    self.leave(ticket)
+                    raise ClientDisconnectedError("The client closed the connection while waiting")
         except asyncio.CancelledError:
             if woken.done() and not woken.cancelled():
                 self._wake_first(line, but=ticket)  # its wake is not lost with it

@@ -232,6 +232,10 @@ class StageService:
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
+        never = _never_fits(stage, up.peer_id, self.peer_id, req.max_length)
+        if never is not None:  # no wait could help: the coordinator routes around it
+            await _report(up, wire.fail_frame(self.peer_id, never, "declined"))
+            return
         why = self._reserve(stage, up.peer_id, req.max_length)
         if why is not None:
             # No room now, not a failure: the coordinator tries another holder or waits.
@@ -510,6 +514,15 @@ def _as_malformed(exc: FrameError) -> MalformedFrameError:
 def _relayed(frame: dict[str, Any]) -> dict[str, Any]:
     """A failure report from another stage, checked, to pass on toward the coordinator."""
     return wire.relay_frame(frame)
+
+
+def _never_fits(stage: HeldStage, peer_id: str, own_id: str, tokens: int) -> str | None:
+    """Why a session of `tokens` could not be held here even on an idle node."""
+    if peer_id != own_id:
+        return stage.peers.never_fits(tokens)
+    if tokens > stage.budget.total:
+        return f"a session of {tokens:,} tokens never fits here ({stage.budget.total:,} in all)"
+    return None
 
 
 def _kept_key(req: wire.OpenRequest, sid: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -379,3 +380,52 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
     assert status == 200 and missed["choices"][0]["message"] == fresh["choices"][0]["message"]
     for stage in (two_stages["a"], two_stages["b"]):
         assert "peer banned" not in stage.log_text() and "stage failed" not in stage.log_text()
+
+
+def _hold_the_budget(node: NodeProcess, max_tokens: int) -> http.client.HTTPConnection:
+    """A stream that reserves `max_tokens` (its end-of-turn tokens barred, so it runs on)
+    and has begun: the caller closes it."""
+    body = {**chat_body("Count upwards from one, one number a line.", max_tokens, True)}
+    body["logit_bias"] = {"0": -100, "2": -100}  # <|endoftext|>, <|im_end|>
+    conn = http.client.HTTPConnection(*_host_port(node), timeout=60)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    for raw in response:
+        if raw.startswith(b"data:") and b'"content"' in raw:
+            return conn  # tokens flow: its room is taken
+    raise AssertionError("the stream ended before its first token")
+
+
+@pytest.mark.parametrize("where", ["one node", "two stages"])
+def test_a_waiting_request_whose_client_left_gives_up_its_place(
+    where: str, small_budget_node: NodeProcess, two_stages: Swarm
+) -> None:
+    """A request queued for KV room (one node) or for a busy stage (two stages) whose
+    client hangs up leaves the queue within a second or so, not when room frees minutes
+    later (then to run only until its first step noticed)."""
+    node = small_budget_node if where == "one node" else two_stages["a"]
+    holder = _hold_the_budget(node, 1400)  # of 1,500 here; of the 1,500 stage b lends a
+    try:
+        waiter = socket.create_connection(_host_port(node), timeout=10)
+        body = json.dumps(chat_body("Say hello.", 200, True)).encode()
+        waiter.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        try:
+            assert wait_until(lambda: int(node.health()["queued"]) == 1, 10.0)
+        finally:
+            waiter.close()
+        left = time.monotonic()
+        assert wait_until(lambda: int(node.health()["queued"]) == 0, 5.0)
+        assert time.monotonic() - left < 3.0
+        assert int(node.health()["sessions"]) >= 1  # the holder still runs: no room freed
+    finally:
+        holder.close()
+    nodes = [node] if where == "one node" else [two_stages["a"], two_stages["b"]]
+    assert wait_until(lambda: all(int(n.health()["kv_reserved_tokens"]) == 0 for n in nodes), 10)
+    assert "peer banned" not in node.log_text()

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import KVRoomError, OverloadedError
-from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits
+from swarmd.errors import ClientDisconnectedError, KVRoomError, OverloadedError
+from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits, unless_gone
 from swarmd.pipeline.distributed import route_capacity
 
 
@@ -82,6 +82,18 @@ def test_one_peer_is_capped_in_sessions_and_tokens_and_others_still_get_room() -
     assert node.reserved == peers.reserved == 0 and peers.held_by("h") == (0, 0)
 
 
+def test_a_session_larger_than_a_peer_may_ever_hold_is_told_apart_from_no_room_now() -> None:
+    # "Never" is a decline the coordinator routes around; "not now" (busy) it may wait out.
+    peers = PeerBudget(KVBudget(1000), PeerLimits(kv_share=0.8, peer_kv_share=0.5))
+    assert peers.never_fits(500) is None and peers.never_fits(1) is None
+    why = peers.never_fits(501)
+    assert why is not None and "501 tokens never fits" in why and "500 for one peer" in why
+    assert peers.try_reserve("p", 400) is None
+    assert peers.never_fits(400) is None  # taken now is not never: it frees again
+    whole = PeerBudget(KVBudget(1000), PeerLimits(kv_share=0.3, peer_kv_share=0.5))
+    assert whole.never_fits(301) is not None and whole.never_fits(300) is None
+
+
 def test_remote_sessions_are_counted_in_all_and_never_jump_the_nodes_queue() -> None:
     node = KVBudget(10_000)
     peers = PeerBudget(node, PeerLimits(max_sessions=4, max_peer_sessions=4))
@@ -141,3 +153,21 @@ def test_the_route_capacity_is_the_best_holder_of_the_tightest_layer() -> None:
     assert route_capacity(records, 30, set()) == 7000
     assert route_capacity(records, 30, {"d"}) == 5000
     assert route_capacity(records[:2], 30, set()) is None  # layers 15..30 unheld
+
+
+async def test_a_request_whose_client_left_gives_up_its_wait_for_kv_room() -> None:
+    node = KVBudget(100)
+    await node.reserve(90, 1)
+    gone = False
+    leaving = asyncio.create_task(unless_gone(node.reserve(50, 60), lambda: gone))
+    behind = asyncio.create_task(node.reserve(40, 60))
+    await asyncio.sleep(0.05)
+    assert node.waiting == 2
+    gone = True
+    with pytest.raises(ClientDisconnectedError):
+        await asyncio.wait_for(leaving, 5.0)
+    assert node.waiting == 1  # its place went ...
+    node.release(90)
+    await asyncio.wait_for(behind, 5.0)  # ... and the one behind it got the room
+    assert node.reserved == 40
+    assert await unless_gone(asyncio.sleep(0, "done"), lambda: True) == "done"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from swarmd.errors import ClientDisconnectedError
 from swarmd.pipeline.room import RoomQueue, Ticket
 
 FAR = 60.0
@@ -129,5 +130,31 @@ def test_a_wake_that_reaches_a_request_as_it_is_cancelled_is_not_lost() -> None:
         room.leave(first)
         room.leave(stays)
         assert room.waiting == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_left_leaves_its_line_and_the_next_moves_up() -> None:
+    async def run() -> None:
+        room = RoomQueue(poll_s=30.0)
+        first, second = room.join(KEY), room.join(KEY)
+        gone = False
+        first_waits = asyncio.ensure_future(room.wait(first, time.monotonic() + FAR, lambda: gone))
+        second_waits = asyncio.ensure_future(room.wait(second, time.monotonic() + FAR))
+        await asyncio.sleep(0.05)
+        assert not first_waits.done() and room.waiting == 2
+        gone = True
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(first_waits, 5.0)
+        except ClientDisconnectedError:
+            pass
+        else:
+            raise AssertionError("a request whose client left kept waiting")
+        assert time.monotonic() - started < 2.0  # not at its deadline, a minute away
+        # Its place went, and the next in line tried at once (it is first now).
+        assert await asyncio.wait_for(second_waits, 5.0)
+        assert room.waiting == 1
+        room.leave(second)
 
     asyncio.run(run())
