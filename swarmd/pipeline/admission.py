@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -57,6 +59,53 @@ def needs_more_than(need: int, holds: int) -> KVRoomError:
 class _Waiter:
     tokens: int
     future: asyncio.Future[None]
+
+
+class SessionSlot:
+    """One request's session slot of its coordinator (`max_sessions`: a semaphore). A
+    distributed request lends it back while it waits for a busy stage, so requests that
+    wait for one model's full stages never keep the node's slots from requests for other
+    models (or other routes). `count` is told +1 / -1 as it is taken and given back."""
+
+    def __init__(
+        self,
+        slots: asyncio.Semaphore,
+        size: int,
+        timeout_s: float,
+        client_gone: Callable[[], bool],
+        count: Callable[[int], None],
+    ) -> None:
+        self._slots = slots
+        self._size = size
+        self._timeout_s = timeout_s
+        self._client_gone = client_gone
+        self._count = count
+        self.held = False
+
+    async def take(self, deadline: float) -> None:
+        """Wait (FIFO, until `deadline`, time.monotonic) for a slot: OverloadedError after."""
+        waiting = asyncio.wait_for(self._slots.acquire(), max(0.01, deadline - time.monotonic()))
+        try:
+            await unless_gone(waiting, self._client_gone)
+        except TimeoutError as exc:
+            raise OverloadedError(
+                f"All {self._size} session slots stayed busy for {self._timeout_s:g} s"
+            ) from exc
+        self.held = True
+        self._count(1)
+
+    def give(self) -> None:
+        if self.held:
+            self.held = False
+            self._count(-1)
+            self._slots.release()
+
+    @asynccontextmanager
+    async def lent(self) -> AsyncIterator[None]:
+        """Without the slot for the body; taken again (waiting its turn) after it."""
+        self.give()
+        yield  # not taken again when the body raises: the request is over then
+        await self.take(time.monotonic() + self._timeout_s)
 
 
 class KVBudget:

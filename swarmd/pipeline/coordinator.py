@@ -13,14 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from swarmd.errors import ModelNotFoundError, OverloadedError, SwarmError
+from swarmd.errors import ModelNotFoundError, SwarmError
 from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
-from swarmd.pipeline.admission import KVBudget, unless_gone
+from swarmd.pipeline.admission import KVBudget, SessionSlot, unless_gone
 from swarmd.pipeline.chain import Hop, StageChain, route_kind
 from swarmd.pipeline.distributed import (
     ChainSettings,
@@ -109,6 +109,9 @@ class Coordinator:
         # Distributed requests whose stages are all busy wait here, woken as sessions end.
         self.room = RoomQueue()
 
+    def _count_in_flight(self, change: int) -> None:
+        self.in_flight += change
+
     @property
     def waiting(self) -> int:
         """Requests queued: for a session slot, for KV room, or for a busy stage."""
@@ -175,6 +178,7 @@ class Coordinator:
         prompt: list[int],
         deadline: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
+        lend_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
     ) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm:
         the route of the conversation `prompt` continues, while it serves (its stages
@@ -203,6 +207,7 @@ class Coordinator:
             deadline,
             self._limits.queue_timeout_s,
             client_gone,
+            lend_slot,
         )
 
     @asynccontextmanager
@@ -217,7 +222,13 @@ class Coordinator:
         `on_prefilled`: told when the prompt is in the caches (see `Generation`)."""
         gen: Generation | None = None
         error: BaseException | None = None
-        acquired = False
+        slot = SessionSlot(
+            self._slots,
+            self._limits.max_sessions,
+            self._limits.queue_timeout_s,
+            client_gone,
+            self._count_in_flight,
+        )
         reserved = 0
         need = len(request.prompt_ids) + request.max_tokens
         model = self.routed(request.model_id)
@@ -226,31 +237,22 @@ class Coordinator:
             deadline = time.monotonic() + self._limits.queue_timeout_s
             self._queued += 1
 
-            async def admit() -> None:
-                nonlocal reserved, acquired
+            async def reserve() -> None:
+                nonlocal reserved
                 if budget is not None:
                     # FIFO for KV room: the whole session's tokens from now to its end.
                     await budget.reserve(need, self._limits.queue_timeout_s)
                     reserved = need
-                await asyncio.wait_for(
-                    self._slots.acquire(), max(0.01, deadline - time.monotonic())
-                )
-                acquired = True
-                self.in_flight += 1
 
             try:
-                await unless_gone(admit(), client_gone)
-            except TimeoutError as exc:
-                raise OverloadedError(
-                    f"All {self._limits.max_sessions} session slots stayed busy for "
-                    f"{self._limits.queue_timeout_s:g} s"
-                ) from exc
+                await unless_gone(reserve(), client_gone)
+                await slot.take(deadline)
             finally:
                 self._queued -= 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
             chain = await self.plan(
-                need, request.sampling, model, request.prompt_ids, deadline, client_gone
+                need, request.sampling, model, request.prompt_ids, deadline, client_gone, slot.lent
             )
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(
@@ -275,9 +277,7 @@ class Coordinator:
             except SwarmError as exc:
                 log.warning("DIAG: session close failed request_id=%s: %s", request.request_id, exc)
             finally:
-                if acquired:
-                    self.in_flight -= 1
-                    self._slots.release()
+                slot.give()
                 if budget is not None and reserved:
                     budget.release(reserved)
                 timing.total_s = timing.since_received()

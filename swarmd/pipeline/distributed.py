@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -197,6 +198,7 @@ class DistributedChain:
         room_deadline: float = 0.0,
         room_wait_s: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
+        lend_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
@@ -205,7 +207,8 @@ class DistributedChain:
         `room`: where the request waits when every holder of some layers is busy (None:
         those are left out, as stages that declined): until `room_deadline`
         (time.monotonic) before its first step, for `room_wait_s` at a time after it, or
-        until `client_gone` says its client left."""
+        until `client_gone` says its client left; `lend_slot`: gives the request's
+        coordinator slot back for such a wait (and takes it again after)."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -242,6 +245,7 @@ class DistributedChain:
         self._wait_until = 0.0
         self.room_waits = 0  # times this request waited for a busy stage
         self._client_gone = client_gone
+        self._lend_slot = lend_slot if lend_slot is not None else nullcontext
 
     @property
     def is_local(self) -> bool:
@@ -515,7 +519,9 @@ class DistributedChain:
             if self._ticket is None:
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             self.room_waits += 1
-            if not await self._room.wait(self._ticket, self._wait_until, self._client_gone):
+            async with self._lend_slot():
+                room = await self._room.wait(self._ticket, self._wait_until, self._client_gone)
+            if not room:
                 self._leave_room()
                 waited = time.monotonic() - self._waiting_since
                 model = self._settings.model_id

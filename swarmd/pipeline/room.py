@@ -75,10 +75,11 @@ class RoomQueue:
     async def wait(
         self, ticket: Ticket, deadline: float, gone: Callable[[], bool] = _never
     ) -> bool:
-        """Until a session ends (or, first in line, the poll interval); False once
-        `deadline` (time.monotonic) has passed, without waiting. `gone` is asked every
-        `GONE_CHECK_S` while it waits: when it says the client left, the request leaves
-        its line (ClientDisconnectedError) instead of keeping its place to the end."""
+        """Until a session ends (or, first in line, the poll interval): True, try again;
+        False when `deadline` (time.monotonic) passes first (or has passed: no wait).
+        `gone` is asked every `GONE_CHECK_S` while it waits: when it says the client
+        left, the request leaves its line (ClientDisconnectedError) instead of keeping its
+        place to the end."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -104,7 +105,8 @@ class RoomQueue:
             raise
         finally:
             ticket.woken = None
-        return True
+        # Woken, or a poll: try. Out of time unwoken: the deadline has come, no last try.
+        return woken.done() or time.monotonic() < deadline
 
     def freed(self) -> None:
         """A session of this node ended: wake the first waiting request of every line."""

@@ -412,8 +412,8 @@ def test_a_waiting_request_whose_client_left_gives_up_its_place(
         waiter = socket.create_connection(_host_port(node), timeout=10)
         body = json.dumps(chat_body("Say hello.", 200, True)).encode()
         waiter.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
-            + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
         try:

@@ -5,12 +5,19 @@ the route's capacity from the holders' records."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ClientDisconnectedError, KVRoomError, OverloadedError
-from swarmd.pipeline.admission import KVBudget, PeerBudget, PeerLimits, unless_gone
+from swarmd.pipeline.admission import (
+    KVBudget,
+    PeerBudget,
+    PeerLimits,
+    SessionSlot,
+    unless_gone,
+)
 from swarmd.pipeline.distributed import route_capacity
 
 
@@ -171,3 +178,34 @@ async def test_a_request_whose_client_left_gives_up_its_wait_for_kv_room() -> No
     await asyncio.wait_for(behind, 5.0)  # ... and the one behind it got the room
     assert node.reserved == 40
     assert await unless_gone(asyncio.sleep(0, "done"), lambda: True) == "done"
+
+
+async def test_a_session_slot_is_taken_given_back_and_lent() -> None:
+    slots = asyncio.Semaphore(1)
+    counted: list[int] = []
+    gone = False
+    slot = SessionSlot(slots, 1, 0.2, lambda: gone, counted.append)
+    await slot.take(time.monotonic() + 1.0)
+    other = SessionSlot(slots, 1, 0.2, lambda: False, counted.append)
+    with pytest.raises(OverloadedError, match=r"All 1 session slots stayed busy for 0\.2 s"):
+        await other.take(time.monotonic() + 0.2)
+    assert not other.held
+    with pytest.raises(RuntimeError):  # the body fails: the slot is not taken again
+        async with slot.lent():
+            assert not slots.locked() and not slot.held
+            raise RuntimeError
+    assert not slot.held and counted == [1, -1]
+    await slot.take(time.monotonic() + 1.0)
+    leaving = asyncio.create_task(other.take(time.monotonic() + 60.0))
+    await asyncio.sleep(0.05)
+    gone = True  # `other`'s client is there; this is `slot`'s, which holds: nothing changes
+    assert not leaving.done()
+    slot.give()
+    slot.give()  # once only
+    await asyncio.wait_for(leaving, 1.0)
+    assert other.held and counted == [1, -1, 1, -1, 1]
+    waiting = SessionSlot(slots, 1, 60.0, lambda: gone, counted.append)
+    with pytest.raises(ClientDisconnectedError):  # its client left while it waited
+        await asyncio.wait_for(waiting.take(time.monotonic() + 60.0), 5.0)
+    other.give()
+    assert not slots.locked()  # nothing leaked by the wait that gave up

@@ -33,6 +33,7 @@ from swarmd.errors import (
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline import ring as ring_module
 from swarmd.pipeline import wire
+from swarmd.pipeline.admission import SessionSlot
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, plan
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
@@ -470,6 +471,48 @@ def test_when_every_holder_of_a_range_declines_the_request_waits_and_tries_them_
         assert room.waiting == 1  # in line until a ring opens, or the request ends
         await chain.close()
         assert room.waiting == 0
+
+    asyncio.run(request())
+
+
+def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -> None:
+    """Requests waiting for one model's full stages must not keep the coordinator's
+    slots from requests that could run (another model's, another route's)."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    async def request() -> None:
+        slots = asyncio.Semaphore(1)
+        counted: list[int] = []
+        slot = SessionSlot(slots, 1, 60.0, lambda: False, counted.append)
+        await slot.take(time.monotonic() + 5.0)
+        chain = DistributedChain(
+            swarm,
+            SETTINGS,
+            first_route(swarm),
+            RECORDS,
+            100,
+            room=room,
+            room_deadline=time.monotonic() + 60.0,
+            lend_slot=slot.lent,
+        )
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        assert slot.held  # another holder had room: no wait, the slot stays
+        waits = asyncio.ensure_future(
+            chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
+        )
+        assert await _until(lambda: room.waiting == 1)
+        assert not slot.held and not slots.locked()  # lent while it waits ...
+        await asyncio.wait_for(slots.acquire(), 1.0)  # ... another request runs on it
+        room.freed()
+        await asyncio.sleep(0.05)
+        assert not waits.done()  # woken, it waits for the slot to come back
+        slots.release()
+        await asyncio.wait_for(waits, 5.0)
+        assert slot.held and counted == [1, -1, 1]
+        await chain.close()
+        slot.give()
+        assert counted == [1, -1, 1, -1] and not slots.locked()
 
     asyncio.run(request())
 

@@ -158,3 +158,17 @@ def test_a_request_whose_client_left_leaves_its_line_and_the_next_moves_up() -> 
         room.leave(second)
 
     asyncio.run(run())
+
+
+def test_a_wait_that_reaches_its_deadline_unwoken_says_so_without_a_last_try() -> None:
+    async def run() -> None:
+        room = RoomQueue(poll_s=30.0)
+        first, second = room.join(KEY), room.join(KEY)
+        started = time.monotonic()
+        assert not await room.wait(second, started + 0.2)  # not first: it never polled
+        assert 0.15 <= time.monotonic() - started < 5.0
+        assert not await room.wait(first, time.monotonic() + 0.1)  # first, poll past it
+        room.leave(first)
+        room.leave(second)
+
+    asyncio.run(run())
