@@ -1,9 +1,12 @@
-"""The `n` choices of one request: a generation each, run at once, the prompt prefilled once.
+"""The choices of one request: `n` per prompt (a /v1/completions request may send several
+prompts), a generation each, run at once, each prompt prefilled once.
 
-Choice 0 is the request as it would run alone. On a route of this node alone the other
-choices wait until choice 0 has prefilled the prompt, then open with a copy of its caches
-(`GenerationRequest.share`) and prefill only the prompt's last token. A distributed route
-holds no copyable caches, so there every choice prefills (batched on each stage).
+A prompt's choice 0 is that prompt's request as it would run alone. On a route of this
+node alone the prompt's other choices wait until its choice 0 has prefilled it, then open
+with a copy of its caches (`GenerationRequest.share`) and prefill only the prompt's last
+token. A distributed route holds no copyable caches, so there every choice prefills
+(batched on each stage). Choices are numbered through: prompt p's choice j is index
+p * n + j, as OpenAI numbers them.
 """
 
 from __future__ import annotations
@@ -21,20 +24,29 @@ from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 T = TypeVar("T")
 
 
-def choice_requests(request: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """Choice i's request: its own session id and seed; choices past 0 may share 0's caches."""
-    out = [request]
-    for index in range(1, n):
-        sampling = replace(request.sampling, seed=choice_seed(request.sampling.seed, index))
-        out.append(
-            replace(
-                request,
-                request_id=f"{request.request_id}-{index}",
-                sampling=sampling,
-                share=request.request_id,
+def choice_requests(prompts: list[GenerationRequest], n: int) -> list[list[GenerationRequest]]:
+    """Each prompt's `n` choices: their own session ids (the request's id for index 0,
+    `<id>-<index>` after) and seeds (choice j of every prompt draws with seed j's); a
+    prompt's choices past 0 may share its choice 0's caches. `prompts` carry the
+    request's id."""
+    groups: list[list[GenerationRequest]] = []
+    for p, request in enumerate(prompts):
+        base = request.request_id
+        lead_id = base if p == 0 else f"{base}-{p * n}"
+        lead = replace(request, request_id=lead_id)
+        group = [lead]
+        for j in range(1, n):
+            sampling = replace(request.sampling, seed=choice_seed(request.sampling.seed, j))
+            group.append(
+                replace(
+                    request,
+                    request_id=f"{base}-{p * n + j}",
+                    sampling=sampling,
+                    share=lead_id,
+                )
             )
-        )
-    return out
+        groups.append(group)
+    return groups
 
 
 class Choices:
@@ -43,18 +55,20 @@ class Choices:
     def __init__(
         self,
         coordinator: Coordinator,
-        requests: list[GenerationRequest],
+        groups: list[list[GenerationRequest]],
         timing: Timing,
         client_gone: Callable[[], bool],
     ) -> None:
-        self.requests = requests
+        self.requests = [request for group in groups for request in group]
+        self.per_prompt = len(groups[0])
         self._coordinator = coordinator
         self._timing = timing
         self._client_gone = client_gone
-        self._prefilled = asyncio.Event()  # choice 0's prompt is in the caches (or never will be)
+        # Per prompt: its choice 0's prompt is in the caches (or never will be).
+        self._prefilled = [asyncio.Event() for _ in groups]
         # Only a one-node route copies caches: elsewhere waiting would only delay the rest.
-        whole = coordinator.routed(requests[0].model_id).is_whole
-        self._wait = whole and len(requests) > 1
+        whole = coordinator.routed(self.requests[0].model_id).is_whole
+        self._wait = whole and self.per_prompt > 1
 
     @property
     def n(self) -> int:
@@ -62,22 +76,24 @@ class Choices:
 
     @asynccontextmanager
     async def generation(self, index: int) -> AsyncIterator[Generation]:
-        first = index == 0
-        if not first and self._wait:
-            await self._prefilled.wait()
+        prompt, choice = divmod(index, self.per_prompt)
+        lead = choice == 0
+        prefilled = self._prefilled[prompt]
+        if not lead and self._wait:
+            await prefilled.wait()
         # Every choice's timing counts from the request's receipt.
-        timing = self._timing if first else Timing(received=self._timing.received)
+        timing = self._timing if index == 0 else Timing(received=self._timing.received)
         try:
             async with self._coordinator.generation(
                 self.requests[index],
                 timing,
                 self._client_gone,
-                self._prefilled.set if first else None,
+                prefilled.set if lead else None,
             ) as gen:
                 yield gen
         finally:
-            if first:
-                self._prefilled.set()  # failed before its prefill: the rest prefill alone
+            if lead:
+                prefilled.set()  # failed before its prefill: the rest prefill alone
 
 
 async def run_all(jobs: list[Callable[[], Awaitable[T]]]) -> list[T]:

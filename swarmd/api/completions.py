@@ -174,14 +174,15 @@ def _swarm_summary(gen: Generation) -> dict[str, Any]:
 
 
 def _usage(gens: list[Generation]) -> dict[str, Any]:
-    """The prompt counts once (as OpenAI counts it for `n`); the replies add up."""
-    prompt = len(gens[0].request.prompt_ids)
+    """Each prompt counts once (as OpenAI counts it for `n`); the replies add up."""
+    leads = [gen for gen in gens if gen.request.share is None]  # each prompt's choice 0
+    prompt = sum(len(gen.request.prompt_ids) for gen in leads)
     done = sum(gen.completion_tokens for gen in gens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": done,
         "total_tokens": prompt + done,
-        "prompt_tokens_details": {"cached_tokens": gens[0].cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(gen.cached_tokens for gen in leads)},
     }
 
 
@@ -284,17 +285,28 @@ def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int],
     return ids, _Tools(fmt, frozenset(names), grammar)
 
 
-def _text_prompt(req: CompletionRequest, model: Routed) -> list[int]:
+def _text_prompts(req: CompletionRequest, model: Routed) -> list[list[int]]:
+    """The request's prompts as token ids: one, or one per entry of a list of strings or
+    of token lists."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return model.codec.encode(prompt)
-    if isinstance(prompt[0], str):
-        return model.codec.encode(str(prompt[0]))
-    ids = [int(t) for t in prompt]
+        return [model.codec.encode(prompt)]
+    if isinstance(prompt[0], int):
+        texts: list[Any] = [prompt]
+    else:
+        texts = list(prompt)
+    out: list[list[int]] = []
     vocab = model.vocab_size
-    if any(t >= vocab for t in ids):
-        raise InvalidRequestError(f"Prompt token ids must be below {vocab}", "prompt")
-    return ids
+    for i, one in enumerate(texts):
+        if isinstance(one, str):
+            out.append(model.codec.encode(one))
+            continue
+        ids = [int(t) for t in one]
+        if any(t >= vocab for t in ids):
+            where = "prompt" if len(texts) == 1 or isinstance(prompt[0], int) else f"prompt[{i}]"
+            raise InvalidRequestError(f"Prompt token ids must be below {vocab}", where)
+        out.append(ids)
+    return out
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -341,6 +353,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             return await forward_reply(request, node, holder, raw, request_id, req.model, report)
         # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
         tools: _Tools | None = None
+        prompts: list[list[int]] | None = None  # several, from /v1/completions
         if isinstance(req, ChatCompletionRequest) and req.uses_tools():
             if not model.codec.has_chat_template:
                 raise InvalidRequestError(
@@ -353,27 +366,44 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             prompt_ids = await asyncio.to_thread(_chat_prompt, req, model)
             param = "messages"
         else:
-            prompt_ids = await asyncio.to_thread(_text_prompt, req, model)
+            prompts = await asyncio.to_thread(_text_prompts, req, model)
+            prompt_ids = prompts[0]
             param = "prompt"
         grammar = tools.grammar if tools is not None and tools.grammar else req.grammar()
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
             await asyncio.to_thread(model.check_grammar, grammar)
-        max_tokens = _reply_length(len(prompt_ids), req.token_limit(), model.context_length, param)
         sampling = _sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE], grammar)
+        each = [prompt_ids] if prompts is None else prompts
+        several = prompts is not None and len(prompts) > 1
+        lengths = [
+            _reply_length(
+                len(ids),
+                req.token_limit(),
+                model.context_length,
+                f"prompt[{i}]" if several else param,
+            )
+            for i, ids in enumerate(each)
+        ]
         if req.token_limit() is None:
             # No max_tokens: the rest of the context, or of what one session's KV can
             # hold (this node's budget, or the best route's), whichever is smaller.
             holds = await coordinator.session_room(model, sampling)
-            if holds is not None and holds - len(prompt_ids) >= 1:
-                max_tokens = min(max_tokens, holds - len(prompt_ids))
-        gen_request = GenerationRequest(
-            request_id=request_id,
-            model_id=model.model_id,
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            sampling=sampling,
-            stop=req.stop_list(),
-        )
+            if holds is not None:
+                lengths = [
+                    min(n, holds - len(ids)) if holds - len(ids) >= 1 else n
+                    for n, ids in zip(lengths, each, strict=True)
+                ]
+        gen_prompts = [
+            GenerationRequest(
+                request_id=request_id,
+                model_id=model.model_id,
+                prompt_ids=ids,
+                max_tokens=max_tokens,
+                sampling=sampling,
+                stop=req.stop_list(),
+            )
+            for ids, max_tokens in zip(each, lengths, strict=True)
+        ]
     except Exception as exc:  # every rejected request leaves its DIAG line, bugs included
         _report_rejected(coordinator, request_id, model_name, prompt_ids, timing, exc)
         raise
@@ -389,7 +419,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         ),
         tools=tools,
     )
-    gen_requests = choice_requests(gen_request, req.choices)
+    gen_requests = choice_requests(gen_prompts, req.choices)
     if req.stream:
         return await _stream(request, gen_requests, timing, reply)
     return await _whole(request, gen_requests, timing, reply)
@@ -423,7 +453,10 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _whole(
-    request: web.Request, gen_requests: list[GenerationRequest], timing: Timing, reply: _Reply
+    request: web.Request,
+    gen_requests: list[list[GenerationRequest]],
+    timing: Timing,
+    reply: _Reply,
 ) -> web.Response:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     choices = Choices(coordinator, gen_requests, timing, lambda: _client_gone(request))
@@ -449,8 +482,12 @@ async def _whole(
         "swarm": summary,
     }
     if reply.return_token_ids:
-        body["prompt_token_ids"] = list(first.request.prompt_ids)
-    headers = _route_headers(first, gen_requests[0].request_id, full_timing=True)
+        if len(gen_requests) == 1:
+            body["prompt_token_ids"] = list(first.request.prompt_ids)
+        else:  # several prompts: each choice names its own
+            for gen, choice in done:
+                choice["prompt_token_ids"] = list(gen.request.prompt_ids)
+    headers = _route_headers(first, first.request.request_id, full_timing=True)
     return web.json_response(body, headers=headers)
 
 
@@ -489,7 +526,10 @@ class _Sink:
 
 
 async def _stream(
-    request: web.Request, gen_requests: list[GenerationRequest], timing: Timing, reply: _Reply
+    request: web.Request,
+    gen_requests: list[list[GenerationRequest]],
+    timing: Timing,
+    reply: _Reply,
 ) -> web.StreamResponse:
     coordinator: Coordinator = request.app[keys.COORDINATOR]
     response = web.StreamResponse(
@@ -584,7 +624,7 @@ async def _write_events(sink: _Sink, gen: Generation, reply: _Reply, index: int)
     """One choice's chunks: its role, its text (or calls), its finish. With no usage chunk
     to come, the finish carries the choice's route summary."""
     extra: dict[str, Any] = {}
-    if reply.return_token_ids and index == 0:
+    if reply.return_token_ids and gen.request.share is None:  # each prompt's choice 0
         extra["prompt_token_ids"] = list(gen.request.prompt_ids)
     opening = reply.choice("" if reply.kind == "chat" else None, None, first=True, index=index)
     await sink.write(reply.chunk([opening], **extra))

@@ -290,6 +290,10 @@ class CompletionRequest(SamplingFields):
         str
         | Annotated[list[str], Field(min_length=1)]
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+            Field(min_length=1),
+        ]
     )
     echo: bool = False
     suffix: str | None = None
@@ -304,9 +308,13 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise UnsupportedError("Only one prompt per request is supported", "prompt")
+        prompts = self.prompt_count()
+        if prompts * self.choices > bounds.PROMPTS_MAX:
+            raise InvalidRequestError(
+                f"At most {bounds.PROMPTS_MAX} replies per request: {prompts} prompt(s) "
+                f"times n={self.choices} is {prompts * self.choices}",
+                "prompt",
+            )
         if self.echo:
             raise UnsupportedError("echo is not supported", "echo")
         if self.suffix:
@@ -316,6 +324,14 @@ class CompletionRequest(SamplingFields):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def prompt_count(self) -> int:
+        """Prompts in the request: a string or a token list is one; a list of strings or
+        of token lists, one each (each gets its `n` choices)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return 1
+        return len(prompt)
 
 
 def _refuse_constant(name: str) -> Any:

@@ -53,6 +53,7 @@ SEED_MIN = -(2**63)  # torch's seed range, which msgpack's 64-bit ints also carr
 SEED_MAX = 2**64 - 1
 MAX_STOP = 16  # stop sequences (the coordinator matches them; they never travel)
 N_MAX = 8  # choices per request (`n`): each is a session of its own
+PROMPTS_MAX = 32  # prompts in one /v1/completions request, times `n`: sessions of their own
 MAX_CONTEXT_TOKENS = 10**7  # prompt + reply of one session: max_len, history, max_tokens
 MAX_STEP_TOKENS = 1024  # tokens in one step frame: prefill is chunked to at most this
 

@@ -228,12 +228,12 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         "unsupported_parameter",
     ),
     (
-        "completions: two prompts",
+        "completions: more than 32 prompts",
         "text",
-        {"model": MODEL, "prompt": ["a", "b"]},
+        {"model": MODEL, "prompt": ["a"] * 33},
         400,
         "prompt",
-        "unsupported_parameter",
+        "invalid_value",
     ),
     (
         "completions: token id out of range",

@@ -297,6 +297,30 @@ def test_n_choices_through_three_stages_equal_the_single_nodes(
     assert [s["route"] for s in piped["swarm"]["choices"]] == ["distributed"] * 3
 
 
+def test_several_prompts_through_three_stages_each_equal_the_single_nodes_reply(
+    three_stages: Swarm, embedded_node: NodeProcess
+) -> None:
+    """Several prompts in one /v1/completions request run as sessions of their own,
+    batched on every stage: each reply is what the single node gives that prompt alone."""
+    prompts = ["The capital of France is", "Water boils at", "My favourite fruit is", "1, 2, 3,"]
+    body = {"model": "smollm2-135m-instruct", "max_tokens": 12, "temperature": 0}
+
+    def ask(node: NodeProcess, prompt: Any) -> dict[str, Any]:
+        status, reply, _ = http_json(
+            f"{node.url}/v1/completions", {**body, "prompt": prompt}, timeout_s=300
+        )
+        assert status == 200, reply
+        return reply
+
+    alone = [ask(embedded_node, p) for p in prompts]
+    piped = ask(three_stages["b"], prompts)
+    assert [c["index"] for c in piped["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in piped["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert piped["swarm"]["route"] == "distributed"
+    for counted in ("prompt_tokens", "completion_tokens"):
+        assert piped["usage"][counted] == sum(a["usage"][counted] for a in alone)
+
+
 # --- failover ---------------------------------------------------------------------------
 
 

@@ -180,3 +180,70 @@ async def test_a_client_that_leaves_an_n_stream_frees_every_choice(
     assert node.coordinator.in_flight == 0
     reply = await api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, n=2)
     assert len(reply.choices) == 2  # and the node serves on
+
+
+# --- several prompts in one /v1/completions request ---------------------------------------
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground"]
+
+
+async def test_several_prompts_give_each_prompts_choices_as_it_alone_gets_them(
+    api: openai.AsyncOpenAI,
+) -> None:
+    common: dict[str, Any] = {"model": "tiny", "max_tokens": 6, "temperature": 1.0, "seed": 77}
+    alone = [await api.completions.create(prompt=p, n=2, **common) for p in PROMPTS]
+    many = await api.completions.create(prompt=PROMPTS, n=2, **common)
+    # Prompt p's choice j is index p * n + j, and is the draw that prompt alone gets.
+    assert [c.index for c in many.choices] == list(range(6))
+    assert [c.text for c in many.choices] == [c.text for a in alone for c in a.choices]
+    texts = [c.text for c in many.choices]
+    assert all(texts[2 * p] != texts[2 * p + 1] for p in range(3))  # each prompt: two seeds
+    assert many.usage is not None
+    assert many.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone if a.usage)
+    assert many.usage.completion_tokens == 6 * 6
+    # Token lists are prompts too, and say the same.
+    tokenized = await api.completions.create(
+        prompt=[[1, 2, 3, 4], [5, 6, 7]], n=1, extra_body={"return_token_ids": True}, **common
+    )
+    firsts = [await api.completions.create(prompt=p, **common) for p in ([1, 2, 3, 4], [5, 6, 7])]
+    assert [c.text for c in tokenized.choices] == [f.choices[0].text for f in firsts]
+    extra = [c.model_extra or {} for c in tokenized.choices]
+    assert [e.get("prompt_token_ids") for e in extra] == [[1, 2, 3, 4], [5, 6, 7]]
+
+
+async def test_several_prompts_streamed_give_each_choice_its_whole_reply(
+    api: openai.AsyncOpenAI,
+) -> None:
+    common: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "temperature": 0.0}
+    whole = await api.completions.create(prompt=PROMPTS, **common)
+    stream = await api.completions.create(prompt=PROMPTS, stream=True, **common)
+    texts = ["", "", ""]
+    finishes: list[int] = []
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finishes.append(c.index)
+    assert texts == [c.text for c in whole.choices]
+    assert sorted(finishes) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "param"),
+    [
+        (["x"] * 33, 1, "prompt"),  # more than 32 replies
+        (["x"] * 17, 2, "prompt"),  # 34 replies
+        ([[1, 2], [10**9]], 1, "prompt[1]"),  # a token id past the vocabulary
+        ([[1, 2], []], 1, "prompt"),  # an empty token list
+        (["a", ""], 1, "prompt[1]"),  # an empty text
+        (["a", [1]], 1, "prompt"),  # text and tokens mixed
+    ],
+)
+async def test_bad_prompt_lists_are_a_400_naming_the_prompt(
+    api: openai.AsyncOpenAI, prompt: Any, n: int, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.completions.create(model="tiny", prompt=prompt, n=n, max_tokens=2)
+    assert caught.value.status_code == 400
+    body = caught.value.body
+    assert isinstance(body, dict) and str(body.get("param", "")).startswith(param), body

@@ -209,3 +209,15 @@ async def test_leaving_during_prefill_stops_the_prefill(
     assert await poll(lambda: node.coordinator.in_flight == 0, 3)
     assert steps < 200, steps  # the prefill stopped soon after the client left
     assert node.runtime.session_count == 0
+
+
+async def test_a_node_that_takes_no_peers_sessions_announces_no_room_for_them(
+    make_node: NodeFactory,
+) -> None:
+    """With `max_remote_sessions` 0 its record says budget 0, so no other coordinator
+    plans through it, nor waits for room that will never be given to it."""
+    node = await make_node(max_remote_sessions=0, kv_budget_tokens=4096)
+    held = next(iter(node.held.values()))
+    record = held.record("p", (), "", 1.0, 60.0)
+    assert record.kv_budget_tokens == 0 and record.free_kv_tokens == 0
+    assert held.kv_budget.total == 4096  # its own requests keep the whole budget
