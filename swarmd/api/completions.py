@@ -7,7 +7,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Literal
 
@@ -228,6 +228,10 @@ def _sampling(
     )
 
 
+def _reseeded(sampling: SamplingParams) -> SamplingParams:
+    return replace(sampling, seed=random_seed())
+
+
 def _chat_prompt(req: ChatCompletionRequest, model: Routed) -> list[int]:
     if not model.codec.has_chat_template:
         raise InvalidRequestError(
@@ -386,11 +390,15 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         ]
         if req.token_limit() is None:
             # No max_tokens: the rest of the context, or of what one session's KV can
-            # hold (this node's budget, or the best route's), whichever is smaller.
+            # hold (this node's budget, or the best route's), whichever is smaller. The
+            # sessions of several prompts share it, so that they can run at once.
             holds = await coordinator.session_room(model, sampling)
             if holds is not None:
+                sessions = len(each) * req.choices
+                share = max(holds // sessions, max(len(ids) for ids in each) + 1)
+                room = min(holds, share) if sessions > 1 else holds
                 lengths = [
-                    min(n, holds - len(ids)) if holds - len(ids) >= 1 else n
+                    min(n, room - len(ids)) if room - len(ids) >= 1 else n
                     for n, ids in zip(lengths, each, strict=True)
                 ]
         gen_prompts = [
@@ -399,10 +407,12 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
                 model_id=model.model_id,
                 prompt_ids=ids,
                 max_tokens=max_tokens,
-                sampling=sampling,
+                # Without a seed every prompt draws its own (two equal prompts are two
+                # samples); with one, each prompt's choices are what it gets alone.
+                sampling=sampling if req.seed is not None or i == 0 else _reseeded(sampling),
                 stop=req.stop_list(),
             )
-            for ids, max_tokens in zip(each, lengths, strict=True)
+            for i, (ids, max_tokens) in enumerate(zip(each, lengths, strict=True))
         ]
     except Exception as exc:  # every rejected request leaves its DIAG line, bugs included
         _report_rejected(coordinator, request_id, model_name, prompt_ids, timing, exc)

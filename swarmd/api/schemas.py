@@ -313,7 +313,7 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError(
                 f"At most {bounds.PROMPTS_MAX} replies per request: {prompts} prompt(s) "
                 f"times n={self.choices} is {prompts * self.choices}",
-                "prompt",
+                "prompt" if prompts > bounds.PROMPTS_MAX else "n",
             )
         if self.echo:
             raise UnsupportedError("echo is not supported", "echo")

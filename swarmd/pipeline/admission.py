@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,9 +30,14 @@ GONE_CHECK_S = 0.5  # how often a waiting request looks whether its client is st
 
 async def unless_gone(waiting: Awaitable[T], client_gone: Callable[[], bool]) -> T:
     """`waiting`'s result, unless `client_gone` says (asked every `GONE_CHECK_S`) that the
-    client left first: then `waiting` is cancelled (it gives back what it took) and
-    ClientDisconnectedError raised. A request whose client left would otherwise keep its
-    place in a queue for minutes, and run (if only to its first step) when let in."""
+    client left first: then `waiting` is cancelled and ClientDisconnectedError raised. A
+    request whose client left would otherwise keep its place in a queue for minutes, and
+    run (if only to its first step) when let in.
+
+    Whatever `waiting` takes it must record itself, before it returns: when this is
+    cancelled just as `waiting` succeeds, the result is dropped here, and only the
+    record tells the caller what to give back. This returns only once `waiting` has
+    ended, so nothing it takes lands after the caller has cleaned up."""
     task = asyncio.ensure_future(waiting)
     try:
         while True:
@@ -45,7 +49,14 @@ async def unless_gone(waiting: Awaitable[T], client_gone: Callable[[], bool]) ->
     finally:
         if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            cancelled = False
+            while not task.done():  # a second cancel must not leave it running unwatched
+                try:
+                    await asyncio.wait({task})
+                except asyncio.CancelledError:
+                    cancelled = True
+            if cancelled:
+                raise asyncio.CancelledError
 
 
 def needs_more_than(need: int, holds: int) -> KVRoomError:
@@ -63,9 +74,10 @@ class _Waiter:
 
 class SessionSlot:
     """One request's session slot of its coordinator (`max_sessions`: a semaphore). A
-    distributed request lends it back while it waits for a busy stage, so requests that
-    wait for one model's full stages never keep the node's slots from requests for other
-    models (or other routes). `count` is told +1 / -1 as it is taken and given back."""
+    distributed request gives it back while it waits for a busy stage and takes it again
+    (in turn) before it tries, so requests that wait for one model's full stages never
+    keep the node's slots from requests for other models (or other routes). `count` is
+    told +1 / -1 as it is taken and given back."""
 
     def __init__(
         self,
@@ -84,28 +96,26 @@ class SessionSlot:
 
     async def take(self, deadline: float) -> None:
         """Wait (FIFO, until `deadline`, time.monotonic) for a slot: OverloadedError after."""
-        waiting = asyncio.wait_for(self._slots.acquire(), max(0.01, deadline - time.monotonic()))
+
+        async def acquire() -> None:
+            await asyncio.wait_for(self._slots.acquire(), max(0.01, deadline - time.monotonic()))
+            # Recorded here, not after `unless_gone` returns: a cancel that comes as the
+            # slot is granted drops the return, and the slot must still be given back.
+            self.held = True
+            self._count(1)
+
         try:
-            await unless_gone(waiting, self._client_gone)
+            await unless_gone(acquire(), self._client_gone)
         except TimeoutError as exc:
             raise OverloadedError(
                 f"All {self._size} session slots stayed busy for {self._timeout_s:g} s"
             ) from exc
-        self.held = True
-        self._count(1)
 
     def give(self) -> None:
         if self.held:
             self.held = False
             self._count(-1)
             self._slots.release()
-
-    @asynccontextmanager
-    async def lent(self) -> AsyncIterator[None]:
-        """Without the slot for the body; taken again (waiting its turn) after it."""
-        self.give()
-        yield  # not taken again when the body raises: the request is over then
-        await self.take(time.monotonic() + self._timeout_s)
 
 
 class KVBudget:
@@ -225,6 +235,8 @@ class PeerBudget:
 
     def never_fits(self, tokens: int) -> str | None:
         """Why a remote session of `tokens` can never be held here, however long it waits."""
+        if self.limits.max_sessions < 1 or self.limits.max_peer_sessions < 1:
+            return "this stage takes no other peer's sessions"
         cap = min(self.total, self.per_peer)
         if tokens > cap:
             return f"a session of {tokens:,} tokens never fits here ({cap:,} for one peer)"

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
@@ -178,7 +178,7 @@ class Coordinator:
         prompt: list[int],
         deadline: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
-        lend_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+        slot: SessionSlot | None = None,
     ) -> StageChain:
         """This node alone when it holds every layer, else the best route over the swarm:
         the route of the conversation `prompt` continues, while it serves (its stages
@@ -207,7 +207,7 @@ class Coordinator:
             deadline,
             self._limits.queue_timeout_s,
             client_gone,
-            lend_slot,
+            slot,
         )
 
     @asynccontextmanager
@@ -252,7 +252,7 @@ class Coordinator:
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
             chain = await self.plan(
-                need, request.sampling, model, request.prompt_ids, deadline, client_gone, slot.lent
+                need, request.sampling, model, request.prompt_ids, deadline, client_gone, slot
             )
             timing.sched_s = time.perf_counter() - sched_started
             gen = Generation(

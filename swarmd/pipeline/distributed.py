@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
@@ -58,6 +57,14 @@ from swarmd.pipeline.stage_service import StageService
 log = logging.getLogger("swarmd.requests")
 
 T = TypeVar("T")
+
+
+class Slot(Protocol):
+    """A request's coordinator session slot (`admission.SessionSlot`)."""
+
+    def give(self) -> None: ...
+
+    async def take(self, deadline: float) -> None: ...
 
 
 class SwarmAccess(Protocol):
@@ -198,7 +205,7 @@ class DistributedChain:
         room_deadline: float = 0.0,
         room_wait_s: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
-        lend_slot: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+        slot: Slot | None = None,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
@@ -207,8 +214,8 @@ class DistributedChain:
         `room`: where the request waits when every holder of some layers is busy (None:
         those are left out, as stages that declined): until `room_deadline`
         (time.monotonic) before its first step, for `room_wait_s` at a time after it, or
-        until `client_gone` says its client left; `lend_slot`: gives the request's
-        coordinator slot back for such a wait (and takes it again after)."""
+        until `client_gone` says its client left; `slot`: the request's coordinator
+        session slot, given back for such a wait (and taken again after it)."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -245,7 +252,7 @@ class DistributedChain:
         self._wait_until = 0.0
         self.room_waits = 0  # times this request waited for a busy stage
         self._client_gone = client_gone
-        self._lend_slot = lend_slot if lend_slot is not None else nullcontext
+        self._slot = slot
 
     @property
     def is_local(self) -> bool:
@@ -519,13 +526,17 @@ class DistributedChain:
             if self._ticket is None:
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             self.room_waits += 1
-            async with self._lend_slot():
-                room = await self._room.wait(self._ticket, self._wait_until, self._client_gone)
-            if not room:
+            # Its session slot is free for others while it waits; taken again (in turn,
+            # within the same deadline) only when it is to try again.
+            if self._slot is not None:
+                self._slot.give()
+            if not await self._room.wait(self._ticket, self._wait_until, self._client_gone):
                 self._leave_room()
                 waited = time.monotonic() - self._waiting_since
                 model = self._settings.model_id
                 raise RouteBusyError(model, missing, self._need_tokens, waited) from exc
+            if self._slot is not None:
+                await self._slot.take(self._wait_until)
             self._declined.clear()
             self._records = await holders_for(self._access, self._settings.model_id, sent)
             route = self._replan_through_busy(None)  # one whose record shows room first

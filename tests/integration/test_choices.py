@@ -228,11 +228,20 @@ async def test_several_prompts_streamed_give_each_choice_its_whole_reply(
     assert sorted(finishes) == [0, 1, 2]
 
 
+async def test_equal_prompts_without_a_seed_are_separate_samples(
+    api: openai.AsyncOpenAI,
+) -> None:
+    reply = await api.completions.create(
+        model="tiny", prompt=["Once upon a time"] * 4, max_tokens=8, temperature=1.0
+    )
+    assert len({c.text for c in reply.choices}) == 4  # a noise model: four seeds
+
+
 @pytest.mark.parametrize(
     ("prompt", "n", "param"),
     [
         (["x"] * 33, 1, "prompt"),  # more than 32 replies
-        (["x"] * 17, 2, "prompt"),  # 34 replies
+        (["x"] * 17, 2, "n"),  # 34 replies
         ([[1, 2], [10**9]], 1, "prompt[1]"),  # a token id past the vocabulary
         ([[1, 2], []], 1, "prompt"),  # an empty token list
         (["a", ""], 1, "prompt[1]"),  # an empty text
@@ -246,4 +255,4 @@ async def test_bad_prompt_lists_are_a_400_naming_the_prompt(
         await api.completions.create(model="tiny", prompt=prompt, n=n, max_tokens=2)
     assert caught.value.status_code == 400
     body = caught.value.body
-    assert isinstance(body, dict) and str(body.get("param", "")).startswith(param), body
+    assert isinstance(body, dict) and body.get("param") == param, body

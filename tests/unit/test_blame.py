@@ -475,6 +475,21 @@ def test_when_every_holder_of_a_range_declines_the_request_waits_and_tries_them_
     asyncio.run(request())
 
 
+def _waiting_chain(
+    swarm: FakeSwarm, room: RoomQueue, deadline: float, slot: SessionSlot | None = None
+) -> DistributedChain:
+    return DistributedChain(
+        swarm,
+        SETTINGS,
+        first_route(swarm),
+        RECORDS,
+        100,
+        room=room,
+        room_deadline=deadline,
+        slot=slot,
+    )
+
+
 def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -> None:
     """Requests waiting for one model's full stages must not keep the coordinator's
     slots from requests that could run (another model's, another route's)."""
@@ -486,16 +501,7 @@ def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -
         counted: list[int] = []
         slot = SessionSlot(slots, 1, 60.0, lambda: False, counted.append)
         await slot.take(time.monotonic() + 5.0)
-        chain = DistributedChain(
-            swarm,
-            SETTINGS,
-            first_route(swarm),
-            RECORDS,
-            100,
-            room=room,
-            room_deadline=time.monotonic() + 60.0,
-            lend_slot=slot.lent,
-        )
+        chain = _waiting_chain(swarm, room, time.monotonic() + 60.0, slot)
         await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
         assert slot.held  # another holder had room: no wait, the slot stays
         waits = asyncio.ensure_future(
@@ -513,6 +519,32 @@ def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -
         await chain.close()
         slot.give()
         assert counted == [1, -1, 1, -1] and not slots.locked()
+
+    asyncio.run(request())
+
+
+def test_a_request_past_its_deadline_does_not_wait_for_a_slot_first() -> None:
+    """Its slot lent to another request, a waiter whose stages stay busy gets its 503
+    at its deadline, without waiting to take the slot back (found by review)."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    async def request() -> None:
+        slots = asyncio.Semaphore(1)
+        slot = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
+        await slot.take(time.monotonic() + 5.0)
+        started = time.monotonic()
+        chain = _waiting_chain(swarm, room, started + 0.3, slot)
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        waits = asyncio.ensure_future(
+            chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
+        )
+        assert await _until(lambda: room.waiting == 1)
+        await asyncio.wait_for(slots.acquire(), 1.0)  # another request takes the slot
+        with pytest.raises(RouteBusyError):
+            await asyncio.wait_for(waits, 5.0)
+        assert time.monotonic() - started < 1.5 and not slot.held
+        slots.release()
 
     asyncio.run(request())
 
@@ -566,15 +598,7 @@ def test_a_busy_stage_that_names_nobody_waits_each_try_and_fails_at_the_deadline
     room = RoomQueue(poll_s=0.02)
 
     async def request() -> None:
-        chain = DistributedChain(
-            swarm,
-            SETTINGS,
-            first_route(swarm),
-            RECORDS,
-            100,
-            room=room,
-            room_deadline=time.monotonic() + 0.2,
-        )
+        chain = _waiting_chain(swarm, room, time.monotonic() + 0.2)
         started = time.monotonic()
         with pytest.raises(RouteBusyError) as caught:
             for _ in range(1000):
