@@ -357,6 +357,8 @@ class DistributedChain:
         while True:
             try:
                 if self._ring is None:
+                    if self._attempt == 0:
+                        await self._queue_behind_others()
                     await self._build_ring()
                     self._leave_room()  # the ring is open: it no longer waits in line
                 ring = self._ring
@@ -494,6 +496,49 @@ class DistributedChain:
         self.hops = _hops(self.route, self._records)
         self._stage_s = _carry_over(old, self.route, self._stage_s)
 
+    async def _queue_behind_others(self) -> None:
+        """A new request for a model whose busy stages others already wait for takes its
+        place behind them and tries when its turn comes, rather than at once: else it
+        could take the room a session's end frees before the requests waiting for it
+        (each time), and they would wait until their deadlines."""
+        if self._room is None or self._ticket is not None:
+            return
+        key = self._room.line_of(self._settings.model_id)
+        if key is None:
+            return
+        self._ticket = self._room.join(key)
+        self._waiting_since = time.monotonic()
+        self._wait_until = self._room_deadline
+        await self._wait_in_line(list(key[1]), None)
+        if self._resume is not None:
+            return  # a kept conversation stays on the route that holds its caches
+        # The holders may have changed while it waited: the route is planned again.
+        sent = self._sampling or SamplingParams()
+        self._records = await holders_for(self._access, self._settings.model_id, sent)
+        old = self.route
+        self.route = self._replan_through_busy(None)
+        self.hops = _hops(self.route, self._records)
+        self._stage_s = _carry_over(old, self.route, self._stage_s)
+
+    async def _wait_in_line(
+        self, missing: list[tuple[int, int]], exc: StageFailedError | None
+    ) -> None:
+        """Wait for this request's turn in its line (its ticket), without its session
+        slot: RouteBusyError at the deadline."""
+        assert self._room is not None and self._ticket is not None
+        self.room_waits += 1
+        # Its session slot is free for others while it waits; taken again (in turn,
+        # within the same deadline) only when it is to try again.
+        if self._slot is not None:
+            self._slot.give()
+        if not await self._room.wait(self._ticket, self._wait_until, self._client_gone):
+            self._leave_room()
+            waited = time.monotonic() - self._waiting_since
+            model = self._settings.model_id
+            raise RouteBusyError(model, missing, self._need_tokens, waited) from exc
+        if self._slot is not None:
+            await self._slot.take(self._wait_until)
+
     async def _find_room(self, exc: StageFailedError) -> None:
         """A stage had no room for this request now (no failure: nobody is blamed, and it
         is no failover): another holder of its range with room, else wait in line until
@@ -525,18 +570,7 @@ class DistributedChain:
         if route is None:
             if self._ticket is None:
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
-            self.room_waits += 1
-            # Its session slot is free for others while it waits; taken again (in turn,
-            # within the same deadline) only when it is to try again.
-            if self._slot is not None:
-                self._slot.give()
-            if not await self._room.wait(self._ticket, self._wait_until, self._client_gone):
-                self._leave_room()
-                waited = time.monotonic() - self._waiting_since
-                model = self._settings.model_id
-                raise RouteBusyError(model, missing, self._need_tokens, waited) from exc
-            if self._slot is not None:
-                await self._slot.take(self._wait_until)
+            await self._wait_in_line(missing, exc)
             self._declined.clear()
             self._records = await holders_for(self._access, self._settings.model_id, sent)
             route = self._replan_through_busy(None)  # one whose record shows room first

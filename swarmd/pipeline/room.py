@@ -54,6 +54,13 @@ class RoomQueue:
         """Requests in line (waiting, or trying again after a wake)."""
         return sum(len(line) for line in self._lines.values())
 
+    def line_of(self, model_id: str) -> tuple[str, tuple[tuple[int, int], ...]] | None:
+        """The key of the oldest line of requests waiting for `model_id`'s busy stages."""
+        for key, line in self._lines.items():
+            if line and isinstance(key, tuple) and key[0] == model_id:
+                return key
+        return None
+
     def join(self, key: Hashable) -> Ticket:
         ticket = Ticket(key)
         self._lines.setdefault(key, deque()).append(ticket)

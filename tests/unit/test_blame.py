@@ -523,6 +523,38 @@ def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -
     asyncio.run(request())
 
 
+def test_a_new_request_queues_behind_those_already_waiting_for_its_models_stages() -> None:
+    """Else it would take the room a session's end frees before the requests that waited
+    for it, and they could wait until their deadlines."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    async def request() -> None:
+        other_model = room.join(("another model", ((0, 4),)))
+        ahead = room.join((MODEL, ((10, 20),)))
+        slots = asyncio.Semaphore(1)
+        slot = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
+        await slot.take(time.monotonic() + 5.0)
+        chain = _waiting_chain(swarm, room, time.monotonic() + 60.0, slot)
+        queued = asyncio.ensure_future(chain._queue_behind_others())
+        assert await _until(lambda: room.waiting == 3)
+        await asyncio.sleep(0.05)
+        assert not queued.done() and not slot.held  # behind `ahead`, its slot lent
+        room.leave(ahead)  # admitted: the next in line tries
+        await asyncio.wait_for(queued, 5.0)
+        assert slot.held and chain.room_waits == 1
+        await chain.close()
+        assert room.waiting == 1  # the other model's line is another line
+        room.leave(other_model)
+        # With nobody waiting for its model, a request tries at once.
+        alone = _waiting_chain(swarm, room, time.monotonic() + 60.0)
+        await asyncio.wait_for(alone._queue_behind_others(), 1.0)
+        assert alone.room_waits == 0 and room.waiting == 0
+        slot.give()
+
+    asyncio.run(request())
+
+
 def test_a_request_past_its_deadline_does_not_wait_for_a_slot_first() -> None:
     """Its slot lent to another request, a waiter whose stages stay busy gets its 503
     at its deadline, without waiting to take the slot back (found by review)."""
