@@ -295,19 +295,16 @@ def _text_prompts(req: CompletionRequest, model: Routed) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [model.codec.encode(prompt)]
-    if isinstance(prompt[0], int):
-        texts: list[Any] = [prompt]
-    else:
-        texts = list(prompt)
+    entries: list[Any] = [prompt] if isinstance(prompt[0], int) else list(prompt)
     out: list[list[int]] = []
     vocab = model.vocab_size
-    for i, one in enumerate(texts):
-        if isinstance(one, str):
-            out.append(model.codec.encode(one))
+    for i, entry in enumerate(entries):
+        if isinstance(entry, str):
+            out.append(model.codec.encode(entry))
             continue
-        ids = [int(t) for t in one]
+        ids = [int(t) for t in entry]
         if any(t >= vocab for t in ids):
-            where = "prompt" if len(texts) == 1 or isinstance(prompt[0], int) else f"prompt[{i}]"
+            where = "prompt" if len(entries) == 1 else f"prompt[{i}]"
             raise InvalidRequestError(f"Prompt token ids must be below {vocab}", where)
         out.append(ids)
     return out
@@ -394,9 +391,8 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             # sessions of several prompts share it, so that they can run at once.
             holds = await coordinator.session_room(model, sampling)
             if holds is not None:
-                sessions = len(each) * req.choices
-                share = max(holds // sessions, max(len(ids) for ids in each) + 1)
-                room = min(holds, share) if sessions > 1 else holds
+                longest = max(len(ids) for ids in each)
+                room = min(holds, max(holds // (len(each) * req.choices), longest + 1))
                 lengths = [
                     min(n, room - len(ids)) if room - len(ids) >= 1 else n
                     for n, ids in zip(lengths, each, strict=True)

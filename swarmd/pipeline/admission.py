@@ -72,50 +72,67 @@ class _Waiter:
     future: asyncio.Future[None]
 
 
-class SessionSlot:
-    """One request's session slot of its coordinator (`max_sessions`: a semaphore). A
-    distributed request gives it back while it waits for a busy stage and takes it again
-    (in turn) before it tries, so requests that wait for one model's full stages never
-    keep the node's slots from requests for other models (or other routes). `count` is
-    told +1 / -1 as it is taken and given back."""
+class SessionSlots:
+    """A coordinator's session slots (`max_sessions`), taken in FIFO order; `in_flight`
+    counts the requests holding one."""
 
-    def __init__(
-        self,
-        slots: asyncio.Semaphore,
-        size: int,
-        timeout_s: float,
-        client_gone: Callable[[], bool],
-        count: Callable[[int], None],
-    ) -> None:
+    def __init__(self, size: int, timeout_s: float) -> None:
+        self.size = size
+        self.timeout_s = timeout_s  # how long a request waits for one (its queue timeout)
+        self.in_flight = 0
+        self._free = asyncio.Semaphore(size)
+
+    @property
+    def free(self) -> int:
+        return self.size - self.in_flight
+
+    def slot(self, client_gone: Callable[[], bool]) -> SessionSlot:
+        """One request's slot, not taken yet."""
+        return SessionSlot(self, client_gone)
+
+
+class SessionSlot:
+    """One request's slot of its coordinator's `SessionSlots`. A distributed request
+    gives it back while it waits for a busy stage and takes it again (in turn) before it
+    tries, so requests that wait for one model's full stages never keep the node's
+    slots from requests for other models (or other routes)."""
+
+    def __init__(self, slots: SessionSlots, client_gone: Callable[[], bool]) -> None:
         self._slots = slots
-        self._size = size
-        self._timeout_s = timeout_s
         self._client_gone = client_gone
-        self._count = count
         self.held = False
 
     async def take(self, deadline: float) -> None:
         """Wait (FIFO, until `deadline`, time.monotonic) for a slot: OverloadedError after."""
+        slots = self._slots
+        free = slots._free
 
         async def acquire() -> None:
-            await asyncio.wait_for(self._slots.acquire(), max(0.01, deadline - time.monotonic()))
+            await asyncio.wait_for(free.acquire(), max(0.01, deadline - time.monotonic()))
             # Recorded here, not after `unless_gone` returns: a cancel that comes as the
             # slot is granted drops the return, and the slot must still be given back.
-            self.held = True
-            self._count(1)
+            self._held()
 
+        if not free.locked():  # free and nobody waits ahead: no wait to watch
+            await free.acquire()
+            self._held()
+            return
         try:
             await unless_gone(acquire(), self._client_gone)
         except TimeoutError as exc:
             raise OverloadedError(
-                f"All {self._size} session slots stayed busy for {self._timeout_s:g} s"
+                f"All {slots.size} session slots stayed busy for {slots.timeout_s:g} s"
             ) from exc
+
+    def _held(self) -> None:
+        self.held = True
+        self._slots.in_flight += 1
 
     def give(self) -> None:
         if self.held:
             self.held = False
-            self._count(-1)
-            self._slots.release()
+            self._slots.in_flight -= 1
+            self._slots._free.release()
 
 
 class KVBudget:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 from swarmd.errors import ModelNotFoundError, SwarmError
 from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
-from swarmd.pipeline.admission import KVBudget, SessionSlot, unless_gone
+from swarmd.pipeline.admission import KVBudget, SessionSlot, SessionSlots, unless_gone
 from swarmd.pipeline.chain import Hop, StageChain, route_kind
 from swarmd.pipeline.distributed import (
     ChainSettings,
@@ -102,15 +102,16 @@ class Coordinator:
         self.kept = KeptConversations()
         # Told of every finished request, with the gaps between its tokens (metrics).
         self.observe: Callable[[RequestRecord, list[float]], None] | None = None
-        self.in_flight = 0
         self._limits = limits
-        self._slots = asyncio.Semaphore(limits.max_sessions)
+        self._slots = SessionSlots(limits.max_sessions, limits.queue_timeout_s)
         self._queued = 0  # requests queued for a slot or for KV room
         # Distributed requests whose stages are all busy wait here, woken as sessions end.
         self.room = RoomQueue()
 
-    def _count_in_flight(self, change: int) -> None:
-        self.in_flight += change
+    @property
+    def in_flight(self) -> int:
+        """Requests this node coordinates that hold a session slot."""
+        return self._slots.in_flight
 
     @property
     def waiting(self) -> int:
@@ -222,13 +223,7 @@ class Coordinator:
         `on_prefilled`: told when the prompt is in the caches (see `Generation`)."""
         gen: Generation | None = None
         error: BaseException | None = None
-        slot = SessionSlot(
-            self._slots,
-            self._limits.max_sessions,
-            self._limits.queue_timeout_s,
-            client_gone,
-            self._count_in_flight,
-        )
+        slot = self._slots.slot(client_gone)
         reserved = 0
         need = len(request.prompt_ids) + request.max_tokens
         model = self.routed(request.model_id)
@@ -239,13 +234,16 @@ class Coordinator:
 
             async def reserve() -> None:
                 nonlocal reserved
-                if budget is not None:
-                    # FIFO for KV room: the whole session's tokens from now to its end.
-                    await budget.reserve(need, self._limits.queue_timeout_s)
-                    reserved = need
+                assert budget is not None
+                await budget.reserve(need, self._limits.queue_timeout_s)
+                reserved = need  # here, not after the wait: see `unless_gone`
 
             try:
-                await unless_gone(reserve(), client_gone)
+                # FIFO for KV room: the whole session's tokens from now to its end.
+                if budget is not None and budget.try_reserve(need):
+                    reserved = need
+                elif budget is not None:
+                    await unless_gone(reserve(), client_gone)
                 await slot.take(deadline)
             finally:
                 self._queued -= 1

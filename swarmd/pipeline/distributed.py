@@ -45,7 +45,7 @@ from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.net.loop_errors import first_of
 from swarmd.net.relay import is_circuit
 from swarmd.pipeline import bounds, wire
-from swarmd.pipeline.admission import needs_more_than
+from swarmd.pipeline.admission import SessionSlot, needs_more_than
 from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.kept import KeptConversations, Resume
 from swarmd.pipeline.report import FalseReports
@@ -57,14 +57,6 @@ from swarmd.pipeline.stage_service import StageService
 log = logging.getLogger("swarmd.requests")
 
 T = TypeVar("T")
-
-
-class Slot(Protocol):
-    """A request's coordinator session slot (`admission.SessionSlot`)."""
-
-    def give(self) -> None: ...
-
-    async def take(self, deadline: float) -> None: ...
 
 
 class SwarmAccess(Protocol):
@@ -205,7 +197,7 @@ class DistributedChain:
         room_deadline: float = 0.0,
         room_wait_s: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
-        slot: Slot | None = None,
+        slot: SessionSlot | None = None,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
@@ -480,11 +472,9 @@ class DistributedChain:
             peer = None  # a link to this node failed: the route is retried, nobody banned
         if not await self._blame(exc, peer):
             peer = None  # nobody's stage to replace: the route is planned afresh
-        sent = self._sampling or SamplingParams()  # before open(): nothing new to read
-        self._records = await holders_for(self._access, self._settings.model_id, sent)
-        old = self.route
+        await self._refresh_holders()
         try:
-            self.route = self._replan_through_busy(peer)
+            route = self._replan_through_busy(peer)
         except NoRouteError:
             if not isinstance(exc, UnconfirmedReportError) or peer is None:
                 raise
@@ -492,9 +482,18 @@ class DistributedChain:
             # request avoids the teller instead.
             self._excluded.discard(peer)
             self._excluded.add(exc.reporter)
-            self.route = self._replan(exc.reporter)
-        self.hops = _hops(self.route, self._records)
-        self._stage_s = _carry_over(old, self.route, self._stage_s)
+            route = self._replan(exc.reporter)
+        self._take_route(route)
+
+    async def _refresh_holders(self) -> None:
+        sent = self._sampling or SamplingParams()  # before open(): nothing new to read
+        self._records = await holders_for(self._access, self._settings.model_id, sent)
+
+    def _take_route(self, route: Route) -> None:
+        """Go on with `route` (planned from `_records`)."""
+        old, self.route = self.route, route
+        self.hops = _hops(route, self._records)
+        self._stage_s = _carry_over(old, route, self._stage_s)
 
     async def _queue_behind_others(self) -> None:
         """A new request for a model whose busy stages others already wait for takes its
@@ -513,12 +512,8 @@ class DistributedChain:
         if self._resume is not None:
             return  # a kept conversation stays on the route that holds its caches
         # The holders may have changed while it waited: the route is planned again.
-        sent = self._sampling or SamplingParams()
-        self._records = await holders_for(self._access, self._settings.model_id, sent)
-        old = self.route
-        self.route = self._replan_through_busy(None)
-        self.hops = _hops(self.route, self._records)
-        self._stage_s = _carry_over(old, self.route, self._stage_s)
+        await self._refresh_holders()
+        self._take_route(self._replan_through_busy(None))
 
     async def _wait_in_line(
         self, missing: list[tuple[int, int]], exc: StageFailedError | None
@@ -556,9 +551,7 @@ class DistributedChain:
             self._waiting_since = now
             self._wait_until = self._room_deadline if not self._steps else now + self._room_wait_s
         peer = exc.peer_id
-        sent = self._sampling or SamplingParams()
-        self._records = await holders_for(self._access, self._settings.model_id, sent)
-        old = self.route
+        await self._refresh_holders()
         route: Route | None = None
         missing: list[tuple[int, int]] = []
         if peer is not None:
@@ -572,11 +565,9 @@ class DistributedChain:
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             await self._wait_in_line(missing, exc)
             self._declined.clear()
-            self._records = await holders_for(self._access, self._settings.model_id, sent)
+            await self._refresh_holders()
             route = self._replan_through_busy(None)  # one whose record shows room first
-        self.route = route
-        self.hops = _hops(route, self._records)
-        self._stage_s = _carry_over(old, route, self._stage_s)
+        self._take_route(route)
 
     def _replan_through_busy(self, peer: str | None) -> Route:
         """`_replan`, and when every other holder of a range announces no room, through

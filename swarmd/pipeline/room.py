@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 
 from swarmd.errors import ClientDisconnectedError
-from swarmd.pipeline.admission import GONE_CHECK_S
+from swarmd.pipeline.admission import unless_gone
 
 __all__ = ["RoomQueue", "Ticket"]
 
@@ -84,7 +84,7 @@ class RoomQueue:
     ) -> bool:
         """Until a session ends (or, first in line, the poll interval): True, try again;
         False when `deadline` (time.monotonic) passes first (or has passed: no wait).
-        `gone` is asked every `GONE_CHECK_S` while it waits: when it says the client
+        `gone` is asked while it waits (`unless_gone`): when it says the client
         left, the request leaves its line (ClientDisconnectedError) instead of keeping its
         place to the end."""
         remaining = deadline - time.monotonic()
@@ -96,16 +96,12 @@ class RoomQueue:
         woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         ticket.woken = woken
         timeout = min(self._poll_s, remaining) if line[0] is ticket else remaining
-        until = time.monotonic() + timeout
         try:
-            while not woken.done():
-                left = until - time.monotonic()
-                if left <= 0:
-                    break
-                await asyncio.wait({woken}, timeout=min(left, GONE_CHECK_S))
-                if not woken.done() and gone():
-                    self.leave(ticket)
-                    raise ClientDisconnectedError("The client closed the connection while waiting")
+            # `asyncio.wait` leaves `woken` alone when it times out or is cancelled.
+            await unless_gone(asyncio.wait({woken}, timeout=timeout), gone)
+        except ClientDisconnectedError:
+            self.leave(ticket)
+            raise
         except asyncio.CancelledError:
             if woken.done() and not woken.cancelled():
                 self._wake_first(line, but=ticket)  # its wake is not lost with it

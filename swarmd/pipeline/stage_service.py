@@ -232,29 +232,38 @@ class StageService:
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
-        never = _never_fits(stage, up.peer_id, self.peer_id, req.max_length)
-        if never is not None:  # no wait could help: the coordinator routes around it
-            await _report(up, wire.fail_frame(self.peer_id, never, "declined"))
-            return
-        why = self._reserve(stage, up.peer_id, req.max_length)
-        if why is not None:
-            # No room now, not a failure: the coordinator tries another holder or waits.
-            await _report(up, wire.busy_frame(self.peer_id, why))
+        refused = self._reserve(stage, up.peer_id, req.max_length)
+        if refused is not None:
+            why, busy = refused
+            # Busy (no room now, no failure): the coordinator tries another holder or
+            # waits. Else no wait could help, and it routes around this stage.
+            if busy:
+                await _report(up, wire.busy_frame(self.peer_id, why))
+            else:
+                await _report(up, wire.fail_frame(self.peer_id, why, "declined"))
             return
         try:
             await self._open_and_run(stage, up, req)
         finally:
             self._release(stage, up.peer_id, req.max_length)
 
-    def _reserve(self, stage: HeldStage, peer_id: str, tokens: int) -> str | None:
-        """Room for a session, or why not. This node's own sessions (its routes through its
+    def _reserve(self, stage: HeldStage, peer_id: str, tokens: int) -> tuple[str, bool] | None:
+        """Room for a session, or why not and whether it is only busy (not even an idle
+        node could hold it otherwise). This node's own sessions (its routes through its
         own layers, on a `LoopLink`) draw on its budget; another peer's on the peers' part."""
         if peer_id != self.peer_id:
-            return stage.peers.try_reserve(peer_id, tokens)
+            never = stage.peers.never_fits(tokens)
+            if never is not None:
+                return never, False
+            why = stage.peers.try_reserve(peer_id, tokens)
+            return None if why is None else (why, True)
         budget = stage.budget
+        if tokens > budget.total:
+            never = f"a session of {tokens:,} tokens never fits here ({budget.total:,} in all)"
+            return never, False
         if budget.try_reserve(tokens):
             return None
-        return f"no KV room for {tokens:,} tokens ({budget.free:,} of {budget.total:,} free)"
+        return f"no KV room for {tokens:,} tokens ({budget.free:,} of {budget.total:,} free)", True
 
     def _release(self, stage: HeldStage, peer_id: str, tokens: int) -> None:
         if peer_id != self.peer_id:
@@ -514,15 +523,6 @@ def _as_malformed(exc: FrameError) -> MalformedFrameError:
 def _relayed(frame: dict[str, Any]) -> dict[str, Any]:
     """A failure report from another stage, checked, to pass on toward the coordinator."""
     return wire.relay_frame(frame)
-
-
-def _never_fits(stage: HeldStage, peer_id: str, own_id: str, tokens: int) -> str | None:
-    """Why a session of `tokens` could not be held here even on an idle node."""
-    if peer_id != own_id:
-        return stage.peers.never_fits(tokens)
-    if tokens > stage.budget.total:
-        return f"a session of {tokens:,} tokens never fits here ({stage.budget.total:,} in all)"
-    return None
 
 
 def _kept_key(req: wire.OpenRequest, sid: str) -> str:

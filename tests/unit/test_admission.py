@@ -16,7 +16,7 @@ from swarmd.pipeline.admission import (
     KVBudget,
     PeerBudget,
     PeerLimits,
-    SessionSlot,
+    SessionSlots,
     unless_gone,
 )
 from swarmd.pipeline.distributed import route_capacity
@@ -187,29 +187,28 @@ async def test_a_request_whose_client_left_gives_up_its_wait_for_kv_room() -> No
 async def test_a_session_slot_is_taken_in_turn_given_back_once_and_left_when_the_client_goes() -> (
     None
 ):
-    slots = asyncio.Semaphore(1)
-    counted: list[int] = []
-    slot = SessionSlot(slots, 1, 0.2, lambda: False, counted.append)
+    slots = SessionSlots(1, 0.2)
+    slot = slots.slot(lambda: False)
     await slot.take(time.monotonic() + 1.0)
-    other = SessionSlot(slots, 1, 0.2, lambda: False, counted.append)
+    other = slots.slot(lambda: False)
     with pytest.raises(OverloadedError, match=r"All 1 session slots stayed busy for 0\.2 s"):
         await other.take(time.monotonic() + 0.2)
-    assert not other.held and counted == [1]
+    assert not other.held and slots.in_flight == 1
     taking = asyncio.create_task(other.take(time.monotonic() + 60.0))
     await asyncio.sleep(0.05)
     slot.give()
     slot.give()  # once only
     await asyncio.wait_for(taking, 1.0)
-    assert other.held and counted == [1, -1, 1]
+    assert other.held and not slot.held and slots.in_flight == 1
     gone = False
-    leaving = SessionSlot(slots, 1, 60.0, lambda: gone, counted.append)
+    leaving = slots.slot(lambda: gone)
     waits = asyncio.create_task(leaving.take(time.monotonic() + 60.0))
     await asyncio.sleep(0.05)
     gone = True
     with pytest.raises(ClientDisconnectedError):  # its client left while it waited
         await asyncio.wait_for(waits, 5.0)
     other.give()
-    assert not slots.locked() and counted == [1, -1, 1, -1]  # nothing leaked by the wait
+    assert slots.free == 1 and slots.in_flight == 0  # nothing leaked by the wait
 
 
 @pytest.mark.parametrize("ticks", [0, 1, 2, 3, 4])
@@ -217,10 +216,10 @@ async def test_a_slot_granted_as_its_request_is_cancelled_is_given_back(ticks: i
     """The slot frees, the waiter is granted it, and its request is cancelled a few loop
     ticks later (another choice of the request failed): whichever wins, `give` after
     the cancel leaves the slot free (found by review: it was lost for good)."""
-    slots = asyncio.Semaphore(1)
-    holder = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
+    slots = SessionSlots(1, 60.0)
+    holder = slots.slot(lambda: False)
     await holder.take(time.monotonic() + 1.0)
-    waiter = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
+    waiter = slots.slot(lambda: False)
     taking = asyncio.create_task(waiter.take(time.monotonic() + 60.0))
     await asyncio.sleep(0.05)
     holder.give()
@@ -230,8 +229,8 @@ async def test_a_slot_granted_as_its_request_is_cancelled_is_given_back(ticks: i
     with contextlib.suppress(asyncio.CancelledError):
         await taking
     waiter.give()  # what the request's cleanup does
-    assert not slots.locked()
-    await asyncio.wait_for(slots.acquire(), 1.0)
+    assert slots.free == 1
+    await asyncio.wait_for(slots.slot(lambda: False).take(time.monotonic() + 1.0), 1.0)
 
 
 async def test_unless_gone_returns_only_once_its_wait_has_ended_even_when_cancelled_twice() -> None:

@@ -33,7 +33,7 @@ from swarmd.errors import (
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline import ring as ring_module
 from swarmd.pipeline import wire
-from swarmd.pipeline.admission import SessionSlot
+from swarmd.pipeline.admission import SessionSlot, SessionSlots
 from swarmd.pipeline.distributed import ChainSettings, DistributedChain, plan
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
@@ -490,6 +490,13 @@ def _waiting_chain(
     )
 
 
+async def _one_slot_taken() -> tuple[SessionSlots, SessionSlot]:
+    slots = SessionSlots(1, 60.0)
+    slot = slots.slot(lambda: False)
+    await slot.take(time.monotonic() + 5.0)
+    return slots, slot
+
+
 def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -> None:
     """Requests waiting for one model's full stages must not keep the coordinator's
     slots from requests that could run (another model's, another route's)."""
@@ -497,10 +504,7 @@ def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -
     room = RoomQueue(poll_s=30.0)
 
     async def request() -> None:
-        slots = asyncio.Semaphore(1)
-        counted: list[int] = []
-        slot = SessionSlot(slots, 1, 60.0, lambda: False, counted.append)
-        await slot.take(time.monotonic() + 5.0)
+        slots, slot = await _one_slot_taken()
         chain = _waiting_chain(swarm, room, time.monotonic() + 60.0, slot)
         await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
         assert slot.held  # another holder had room: no wait, the slot stays
@@ -508,17 +512,18 @@ def test_a_request_waiting_for_a_busy_stage_lends_its_session_slot_meanwhile() -
             chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
         )
         assert await _until(lambda: room.waiting == 1)
-        assert not slot.held and not slots.locked()  # lent while it waits ...
-        await asyncio.wait_for(slots.acquire(), 1.0)  # ... another request runs on it
+        assert not slot.held and slots.free == 1  # lent while it waits ...
+        other = slots.slot(lambda: False)
+        await asyncio.wait_for(other.take(time.monotonic() + 1.0), 1.0)  # ... another runs
         room.freed()
         await asyncio.sleep(0.05)
         assert not waits.done()  # woken, it waits for the slot to come back
-        slots.release()
+        other.give()
         await asyncio.wait_for(waits, 5.0)
-        assert slot.held and counted == [1, -1, 1]
+        assert slot.held and slots.in_flight == 1
         await chain.close()
         slot.give()
-        assert counted == [1, -1, 1, -1] and not slots.locked()
+        assert slots.in_flight == 0 and slots.free == 1
 
     asyncio.run(request())
 
@@ -532,9 +537,7 @@ def test_a_new_request_queues_behind_those_already_waiting_for_its_models_stages
     async def request() -> None:
         other_model = room.join(("another model", ((0, 4),)))
         ahead = room.join((MODEL, ((10, 20),)))
-        slots = asyncio.Semaphore(1)
-        slot = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
-        await slot.take(time.monotonic() + 5.0)
+        _, slot = await _one_slot_taken()
         chain = _waiting_chain(swarm, room, time.monotonic() + 60.0, slot)
         queued = asyncio.ensure_future(chain._queue_behind_others())
         assert await _until(lambda: room.waiting == 3)
@@ -562,9 +565,7 @@ def test_a_request_past_its_deadline_does_not_wait_for_a_slot_first() -> None:
     room = RoomQueue(poll_s=30.0)
 
     async def request() -> None:
-        slots = asyncio.Semaphore(1)
-        slot = SessionSlot(slots, 1, 60.0, lambda: False, lambda _: None)
-        await slot.take(time.monotonic() + 5.0)
+        slots, slot = await _one_slot_taken()
         started = time.monotonic()
         chain = _waiting_chain(swarm, room, started + 0.3, slot)
         await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
@@ -572,11 +573,12 @@ def test_a_request_past_its_deadline_does_not_wait_for_a_slot_first() -> None:
             chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
         )
         assert await _until(lambda: room.waiting == 1)
-        await asyncio.wait_for(slots.acquire(), 1.0)  # another request takes the slot
+        other = slots.slot(lambda: False)
+        await asyncio.wait_for(other.take(time.monotonic() + 1.0), 1.0)  # another takes it
         with pytest.raises(RouteBusyError):
             await asyncio.wait_for(waits, 5.0)
         assert time.monotonic() - started < 1.5 and not slot.held
-        slots.release()
+        other.give()
 
     asyncio.run(request())
 
