@@ -33,6 +33,13 @@ def one_query(
     head_dim = q.shape[3]
     grouped = q.reshape(kv_heads, heads // kv_heads, head_dim)  # the heads of each kv head
     # Scaling q rather than the scores: [kv, group, D] elements instead of [kv, group, L].
-    scores = torch.bmm(grouped * scale, keys[0].transpose(1, 2))  # [kv, group, L]
-    weights = torch.softmax(scores, dim=-1)
-    return torch.bmm(weights, values[0]).view(1, heads, 1, head_dim)
+    out = scaled_query(grouped * scale, keys[0].transpose(1, 2), values[0])
+    return out.view(1, heads, 1, head_dim)
+
+
+def scaled_query(scaled: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`one_query`'s arithmetic: scaled q [kv, group, D], keys transposed [kv, D, L],
+    values [kv, L, D] -> [kv, group, D]. The scripted loop calls it with views it built
+    for a whole step (the same strides, so the same bits as `one_query`)."""
+    weights = torch.softmax(torch.bmm(scaled, keys_t), dim=-1)  # [kv, group, L]
+    return torch.bmm(weights, values)

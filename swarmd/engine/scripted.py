@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
-from swarmd.engine.attention import one_query
+from swarmd.engine.attention import scaled_query
 from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
 
 if TYPE_CHECKING:
@@ -113,6 +113,17 @@ def _decode_layers(
     hidden = x.shape[1]
     q_size = heads * head_dim
     kv_size = kv_heads * head_dim
+    group = heads // kv_heads
+    # Per row, per layer: keys [kv, cap, D], the same transposed [kv, D, cap], values.
+    keys_of: list[list[torch.Tensor]] = []
+    keys_t_of: list[list[torch.Tensor]] = []
+    values_of: list[list[torch.Tensor]] = []
+    for r in range(batch):
+        buffer = caches[r].select(2, 0)  # [layers, 2, kv, cap, D]
+        keys_all = buffer.select(1, 0)
+        keys_of.append(keys_all.unbind(0))
+        keys_t_of.append(keys_all.transpose(2, 3).unbind(0))
+        values_of.append(buffer.select(1, 1).unbind(0))
     for i in range(len(mats)):
         norm = norms[i]
         mat = mats[i]
@@ -135,31 +146,28 @@ def _decode_layers(
             q = _rotate(q, cos[kind], sin[kind])
             k = _rotate(k, cos[kind], sin[kind])
         v = qkv[:, q_size + kv_size :].reshape(batch, 1, kv_heads, head_dim)
-        q = q.transpose(1, 2)
-        k = k.transpose(1, 2)
-        v = v.transpose(1, 2)
+        # `one_query` of each row, on views built once per layer (or step): the same
+        # tensors, strides and ops, with a third of the view ops of slicing per row.
+        scaled = (q.reshape(batch, kv_heads, group, head_dim) * scale).unbind(0)
+        k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
+        v_rows = v.transpose(1, 2).unbind(0)
         outs: list[torch.Tensor] = []
         for r in range(batch):
-            layer = caches[r][i]
             start = starts[r]
             first = firsts[r][kind]
-            keys = layer[0]
-            values = layer[1]
-            keys[:, :, start : start + 1] = k[r : r + 1]
-            values[:, :, start : start + 1] = v[r : r + 1]
+            keys = keys_of[r][i]
+            values = values_of[r][i]
+            keys.narrow(1, start, 1).copy_(k_rows[r])
+            values.narrow(1, start, 1).copy_(v_rows[r])
+            length = start + 1 - first
             outs.append(
-                one_query(
-                    q[r : r + 1],
-                    keys[:, :, first : start + 1],
-                    values[:, :, first : start + 1],
-                    scale,
+                scaled_query(
+                    scaled[r],
+                    keys_t_of[r][i].narrow(2, first, length),
+                    values.narrow(1, first, length),
                 )
             )
-        # As `_attend_decodes` and `_attend` shape them (the same values either way).
-        if batch > 1:
-            attn = torch.cat(outs).view(batch, heads * head_dim)
-        else:
-            attn = outs[0].transpose(1, 2).reshape(1, heads * head_dim)
+        attn = torch.stack(outs).view(batch, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:
             out = F.rms_norm(out.to(act), [hidden], norm[4], eps)
