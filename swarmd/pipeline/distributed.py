@@ -476,6 +476,13 @@ class DistributedChain:
         try:
             route = self._replan_through_busy(peer)
         except NoRouteError:
+            if self._declined and self._room is not None:
+                # The holders left are those that were busy at an earlier try: busy is no
+                # failure, so they are asked again, and one still full says "busy" and
+                # the request waits its turn (`_find_room`), as README's failover promises.
+                self._declined.clear()
+                self._take_route(self._replan_through_busy(peer))
+                return
             if not isinstance(exc, UnconfirmedReportError) or peer is None:
                 raise
             # Only the named peer holds its range: one of the two is at fault, so this

@@ -157,6 +157,57 @@ def test_a_stage_killed_under_load_fails_over_while_its_standby_is_full(
         swarm.stop()
 
 
+def test_streams_turned_away_by_a_full_stage_wait_for_it_when_the_other_holder_dies(
+    tmp_path: Path,
+    test_cache_dir: Path,
+    embedded_node: NodeProcess,
+    swarm_env: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sixteen streams through 0:15 and two holders of 15:30 that take four of a peer's
+    sessions each: the streams one holder turns away ("busy") go to the other, which is
+    killed mid-run. Those streams must wait for the full holder, not end: on the old code
+    the holder that had said "busy" stayed out of their failover, and 3 to 11 of the 16
+    got 503 "layers [15:30) are not served" (found by a stress run)."""
+    monkeypatch.setenv("SWARMD_MAX_PEER_SESSIONS", "4")
+    bodies = [chat_body(f"Write two sentences about lake number {i}.", 40, True) for i in range(16)]
+    expected = references(embedded_node, bodies)
+    swarm = Swarm(tmp_path, ["--cache-dir", str(test_cache_dir)])
+    try:
+        swarm.start([("a", "0:15", None), ("b", "15:30", None), ("b2", "15:30", None)])
+        swarm.wait_holders("a", 3)
+        killed: list[str] = []
+
+        def kill_the_holder_taking_the_overflow() -> None:
+            def sessions(name: str) -> int:
+                return int(swarm[name].health()["sessions"])
+
+            def overflowing() -> bool:
+                counts = sorted((sessions("b"), sessions("b2")))
+                return counts[1] >= 4 and counts[0] >= 1
+
+            if wait_until(overflowing, 120.0, 0.02):
+                killed.append(min(("b", "b2"), key=sessions))
+                swarm[killed[0]].proc.kill()
+
+        killer = threading.Thread(target=kill_the_holder_taking_the_overflow)
+        killer.start()
+        outcomes = stream_all(swarm["a"], bodies)
+        killer.join(timeout=130)
+        assert killed, "the holders of 15:30 never held 4 and 1 sessions at once"
+        failed = [(i, o) for i, o in enumerate(outcomes) if o.failure or o.errors or not o.done]
+        assert failed == []
+        assert [o.text for o in outcomes] == expected
+        log = swarm["a"].log_text()
+        assert "stage declined" in log and "stage failed" in log
+        assert "are not served" not in log
+        survivor = swarm["b2" if killed[0] == "b" else "b"]
+        assert wait_until(lambda: int(survivor.health()["sessions"]) == 0, 5.0)
+        assert int(swarm["a"].health()["queued"]) == 0
+    finally:
+        swarm.stop()
+
+
 def _text_and_logprobs(reply: dict[str, Any]) -> tuple[str, list[float]]:
     choice = reply["choices"][0]
     return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]

@@ -475,6 +475,49 @@ def test_when_every_holder_of_a_range_declines_the_request_waits_and_tries_them_
     asyncio.run(request())
 
 
+def test_a_request_whose_other_holder_is_lost_waits_for_the_busy_one() -> None:
+    """HONEST had no room, so HONEST2 took the range; when HONEST2 is lost, HONEST is
+    asked again (busy is no failure) and, still full, the request waits its turn for it:
+    it used to end with "layers [10:20) are not served" (found by a stress run)."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    async def request() -> None:
+        chain = _waiting_chain(swarm, room, time.monotonic() + 60.0)
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        assert chain.route.peers == (LIAR, HONEST2, LAST)
+        await chain._fail_over(StageFailedError("connection lost", HONEST2, "lost"))
+        assert chain.route.peers == (LIAR, HONEST, LAST)  # the busy holder, asked again
+        assert (chain.failovers, swarm.banned()) == (1, {HONEST2})
+        waits = asyncio.ensure_future(
+            chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        )
+        assert await _until(lambda: room.waiting == 1)
+        assert not waits.done()  # still full: it waits, it does not fail
+        room.freed()
+        await asyncio.wait_for(waits, 5.0)
+        assert chain.route.peers == (LIAR, HONEST, LAST)
+        assert (chain.failovers, chain.room_waits) == (1, 1)
+        await chain.close()
+
+    asyncio.run(request())
+
+
+def test_a_lost_stage_whose_range_nobody_else_holds_is_no_route() -> None:
+    """Without a busy holder to wait for, a lost range is missing: the request ends."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    async def request() -> None:
+        chain = _waiting_chain(swarm, room, time.monotonic() + 60.0)
+        await chain._fail_over(StageFailedError("connection lost", HONEST, "lost"))
+        with pytest.raises(NoRouteError) as caught:
+            await chain._fail_over(StageFailedError("connection lost", HONEST2, "lost"))
+        assert caught.value.missing == [(10, 20)] and room.waiting == 0
+
+    asyncio.run(request())
+
+
 def _waiting_chain(
     swarm: FakeSwarm, room: RoomQueue, deadline: float, slot: SessionSlot | None = None
 ) -> DistributedChain:
