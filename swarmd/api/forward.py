@@ -18,14 +18,14 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from swarmd.dht.records import NodeRecord
-from swarmd.errors import FrameError, PeerError, SwarmError
+from swarmd.errors import ClientDisconnectedError, FrameError, PeerError, SwarmError
 from swarmd.pipeline.report import RequestRecord, ms
 from swarmd.transfer.forward import (
     END_FRAME,
@@ -94,12 +94,17 @@ async def forward_reply(
                 headers["x-swarm-route"] = "forwarded"
                 headers["x-swarm-nodes"] = short
                 response = web.StreamResponse(status=frame["status"], headers=headers)
-                await response.prepare(request)
+                if not await _to_client(response.prepare(request)):
+                    error = ClientDisconnectedError("The client closed the connection")
+                    return response
             elif kind == "data" and response is not None:
                 first_data = first_data or time.monotonic()
-                await response.write(frame["data"])
+                if not await _to_client(response.write(frame["data"])):
+                    error = ClientDisconnectedError("The client closed the stream mid-reply")
+                    return response  # the holder's request ends with the task's cancel
             elif kind == "end" and response is not None:
-                await response.write_eof()
+                # Clients close as soon as they read `[DONE]`: the reply was whole anyway.
+                await _to_client(response.write_eof())
                 return response
     except FrameError as exc:
         error = exc
@@ -140,9 +145,19 @@ async def _broken(
         return web.json_response(body, status=502)
     if response.content_type == "text/event-stream":
         event = f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
-        await response.write(event.encode())
-    await response.write_eof()
+        if not await _to_client(response.write(event.encode())):
+            return response
+    await _to_client(response.write_eof())
     return response
+
+
+async def _to_client(write: Awaitable[object]) -> bool:
+    """Write to the client; False when it has closed the connection (nobody to tell)."""
+    try:
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
 class LoopbackExecutor:

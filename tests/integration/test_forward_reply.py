@@ -1,0 +1,115 @@
+"""`forward_reply`, the requester's API side of a forwarded request (asyncio, aiohttp on
+127.0.0.1), with the holder stood in for by a fake `forward_to`.
+
+Clients (the openai library among them) close the connection as soon as they read
+`data: [DONE]`; the end of the response, or the rest of a reply whose client left,
+then has nobody to go to. That is no error of the node: no traceback, nobody banned, and
+the DIAG line says ok for a whole reply (found by a stress run: a light node logged
+"unhandled error" for every such reply).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from swarmd.api.forward import forward_reply
+from swarmd.pipeline.report import RequestRecord
+from swarmd.transfer.forward import END_FRAME, Deliver, data_frame, head_frame
+from tests.unit.test_route import record
+
+HOLDER = "12D3KooWHOLDERxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+DONE = b"data: [DONE]\n\n"
+
+
+class FakeNode:
+    """Streams a head and `chunks`, then waits until the test's client has closed its
+    connection, then sends `after` (more data, or the end)."""
+
+    def __init__(self, chunks: list[bytes], after: list[dict[str, Any]]) -> None:
+        self.chunks, self.after = chunks, after
+        self.client_closed = asyncio.Event()
+        self.bans: list[str] = []
+        self.cancelled = False
+
+    async def forward_to(self, peer_id: str, path: str, body: bytes, deliver: Deliver) -> None:
+        deliver(head_frame(200, {"Content-Type": "text/event-stream"}))
+        for chunk in self.chunks:
+            deliver(data_frame(chunk))
+        await self.client_closed.wait()
+        await asyncio.sleep(0.05)  # the server side sees the close too
+        for frame in self.after:
+            deliver(frame)
+        try:
+            await asyncio.sleep(5.0)  # a holder still streaming: cancelled when not wanted
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+    async def ban(self, peer_id: str, reason: str) -> None:
+        self.bans.append(peer_id)
+
+
+async def _serve_and_read(node: FakeNode, until: bytes) -> tuple[bytes, list[RequestRecord]]:
+    reports: list[RequestRecord] = []
+    reported = asyncio.Event()
+    holder = record(HOLDER, 0, 30, 100.0)
+
+    def report(line: RequestRecord) -> None:
+        reports.append(line)
+        reported.set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await forward_reply(request, node, holder, b"{}", "r1", "m", report)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+        )
+        got = b""
+        while until not in got:
+            got += await asyncio.wait_for(reader.read(4096), 5.0)
+        writer.close()  # as a client does once it has read [DONE]
+        await writer.wait_closed()
+        node.client_closed.set()
+        await asyncio.wait_for(reported.wait(), 5.0)
+        return got, reports
+    finally:
+        await runner.cleanup()
+
+
+def test_a_client_closing_at_done_leaves_a_whole_reply_logged_ok(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    node = FakeNode([b"data: {}\n\n", DONE], [END_FRAME])
+    with caplog.at_level(logging.WARNING):
+        got, reports = asyncio.run(_serve_and_read(node, DONE))
+    assert got.startswith(b"HTTP/1.1 200") and DONE in got
+    assert [(r.outcome, r.error_type) for r in reports] == [("ok", None)]
+    assert node.bans == [] and "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_client_gone_mid_reply_ends_the_holders_request_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    node = FakeNode([b"data: {}\n\n"], [data_frame(b"data: {}\n\n")] * 3 + [END_FRAME])
+    with caplog.at_level(logging.WARNING):
+        got, reports = asyncio.run(_serve_and_read(node, b"data: {}"))
+    assert got.startswith(b"HTTP/1.1 200")
+    assert [(r.outcome, r.error_type) for r in reports] == [("error", "ClientDisconnectedError")]
+    assert node.bans == [] and node.cancelled
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
