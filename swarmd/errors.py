@@ -167,13 +167,26 @@ class CommonFilesError(UnavailableError):
 class NoRouteError(UnavailableError):
     """No set of peers covers every layer of the model."""
 
-    def __init__(self, model: str, missing: list[tuple[int, int]], retry_after_s: int = 10) -> None:
+    def __init__(
+        self,
+        model: str,
+        missing: list[tuple[int, int]],
+        retry_after_s: int = 10,
+        avoided: int = 0,
+    ) -> None:
+        """`avoided`: holders of the missing layers this node may not use now (banned, or
+        left out of this request), which the message names: they are served, only not
+        for this node."""
         self.model = model
         self.missing = missing
         ranges = ", ".join(f"[{a}:{b})" for a, b in missing)
-        super().__init__(
-            f"No route for model '{model}': layers {ranges} are not served", retry_after_s
-        )
+        why = f"No route for model '{model}': layers {ranges} are not served"
+        if avoided:
+            why += (
+                f" by a peer this node may use now ({avoided} holder(s) banned here or left"
+                " out of this request; see `swarmd peers`)"
+            )
+        super().__init__(why, retry_after_s)
 
 
 class RouteBusyError(UnavailableError):

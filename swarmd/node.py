@@ -79,6 +79,9 @@ log = logging.getLogger(__name__)
 SWARM_START_TIMEOUT_S = 60.0  # host, DHT, bootstrap and the first announcement
 MAX_COMMON_BYTES = 64 * 10**6  # tokenizer, templates, config of a model coordinated here
 MODELS_CACHE_S = 2.0  # how long a catalog lookup answers /v1/models
+# How long a shutdown waits for other peers' sessions here to be let go by their
+# coordinators once told (a failover takes them elsewhere within a round trip or two).
+LEAVE_GRACE_S = 3.0
 
 T = TypeVar("T")
 
@@ -267,6 +270,7 @@ class Node:
         await self.bridge.run(self.swarm.announce_now)
 
     async def stop(self) -> None:
+        await self._leave_sessions()
         await self.forwards.close()
         if self._listener is not None:
             self._listener.close()  # no new connections; the runner closes the open ones
@@ -281,6 +285,17 @@ class Node:
         for held in self.held.values():
             await held.worker.stop()
         logging.getLogger("swarmd").removeHandler(self.failures)
+
+    async def _leave_sessions(self) -> None:
+        """Other peers' routes through this node fail over before it goes, without a ban:
+        a restarted node (same peer id) is routable again as soon as it is back."""
+        service = self._stage_service
+        if service is None:
+            return
+        try:
+            await self.bridge.run(service.leave, LEAVE_GRACE_S)
+        except SwarmError as exc:  # the swarm layer is gone already: nobody to tell
+            log.info("sessions not told of the shutdown: %s", exc)
 
     def _metrics_state(self) -> NodeState:
         def host_traffic(direction: str) -> dict[str, int]:

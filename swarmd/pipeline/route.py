@@ -208,7 +208,11 @@ def plan_route(
     )
     picks = planner.search(0, num_layers, frozenset())
     if picks is None:
-        raise NoRouteError(model_id, planner.missing())
+        missing = planner.missing()
+        held_by_avoided = [
+            c for c in planner.avoided if any(c.start < b and c.end > a for a, b in missing)
+        ]
+        raise NoRouteError(model_id, missing, avoided=len(held_by_avoided))
     return planner.route(picks, {})
 
 
@@ -288,6 +292,7 @@ class _Planner:
         self.local_peer_id = local_peer_id
         self.config = config
         self._rtt_ms = rtt_ms or {}
+        self.avoided: list[Candidate] = []  # banned holders (a NoRouteError names them)
         by_peer: dict[str, Candidate] = {}
         for item in candidates:
             if isinstance(item, NodeRecord):
@@ -295,7 +300,10 @@ class _Planner:
                 if not usable:
                     continue
                 item = usable[0]
-            if item.peer_id in banned or item.free_kv_tokens < need_tokens:
+            if item.peer_id in banned:
+                self.avoided.append(item)
+                continue
+            if item.free_kv_tokens < need_tokens:
                 continue
             if item.start >= num_layers:
                 continue

@@ -69,6 +69,8 @@ SignedAddrs = Callable[[str, bool], Awaitable[frozenset[str] | None]]
 no record known); from the records known already, or, `fresh`, from a lookup. The only
 addresses a next hop is dialed on."""
 
+LEAVING = "this node is shutting down"
+
 # All a failure report says of a next stage this stage could not reach: the dial's error
 # (refused, timed out, wrong peer) would make an `open` frame a port scanner.
 UNREACHABLE = "next stage unreachable"
@@ -133,6 +135,11 @@ class StageService:
         self._signed_addrs = signed_addrs
         self._pending: dict[str, PendingReturn] = {}
         self._nursery: trio.Nursery | None = None
+        # Other peers' sessions open here, by session id: their upstream links, which a
+        # leaving node tells first (`leave`).
+        self._sessions: dict[str, Link] = {}
+        self._leaving = False
+        self._no_sessions = trio.Event()  # set once a leaving node's sessions have ended
         host.set_handler(wire.STAGE_PROTOCOL, self._serve)
 
     @property
@@ -144,6 +151,25 @@ class StageService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await trio.sleep_forever()
+
+    async def leave(self, grace_s: float) -> int:
+        """A clean shutdown: tell every other peer's session here that this stage is
+        leaving, so its coordinator fails over at once and bans nobody (a stream that just
+        closed reads as a lost stage, which is banned), and decline new ones; wait up to
+        `grace_s` for the sessions to end. Returns how many were told."""
+        self._leaving = True
+        told = dict(self._sessions)
+        if not told:
+            self._no_sessions.set()
+        if told:
+            log.info("leaving: telling %d sessions' coordinators", len(told))
+            frame = wire.fail_frame(self.peer_id, LEAVING, "declined")
+            async with trio.open_nursery() as nursery:
+                for up in told.values():
+                    nursery.start_soon(_report, up, frame)
+            with trio.move_on_after(grace_s):
+                await self._no_sessions.wait()
+        return len(told)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         if self._nursery is None:
@@ -232,6 +258,9 @@ class StageService:
         except MalformedFrameError as exc:
             await self._bad_upstream(up, None, exc, "?")
             return
+        if self._leaving:
+            await _report(up, wire.fail_frame(self.peer_id, LEAVING, "declined"))
+            return
         refused = self._reserve(stage, up.peer_id, req.max_length)
         if refused is not None:
             why, busy = refused
@@ -242,9 +271,15 @@ class StageService:
             else:
                 await _report(up, wire.fail_frame(self.peer_id, why, "declined"))
             return
+        remote = up.peer_id != self.peer_id  # this node's own routes end with it anyway
+        if remote:
+            self._sessions[req.sid] = up
         try:
             await self._open_and_run(stage, up, req)
         finally:
+            self._sessions.pop(req.sid, None)
+            if self._leaving and not self._sessions:
+                self._no_sessions.set()
             self._release(stage, up.peer_id, req.max_length)
 
     def _reserve(self, stage: HeldStage, peer_id: str, tokens: int) -> tuple[str, bool] | None:
@@ -385,6 +420,9 @@ class StageService:
                 await _report(down, wire.END_FRAME)
                 return
             except StreamClosedError as exc:  # gone without `end`
+                if self._leaving:  # its coordinator was told why (`leave`) and let go
+                    await _report(down, wire.END_FRAME)  # the stages after end quietly
+                    return
                 _session_failed(req.sid, up.peer_id, f"the previous hop is gone: {exc}")
                 why = f"stage {up.peer_id[-8:]} lost: {exc}"
                 await _report(down, wire.fail_frame(up.peer_id, why, "lost"))

@@ -40,6 +40,7 @@ class Swarm:
     tmp_path: Path
     model_args: list[str]
     nodes: dict[str, NodeProcess] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)  # each node's `swarmd run` args
 
     def start(self, specs: list[tuple[str, str, list[str] | None]]) -> None:
         """Start (name, layers, launcher) nodes: the first alone, the rest together."""
@@ -59,7 +60,18 @@ class Swarm:
         args += ["--layers", layers, *self.model_args]
         if bootstrap is not None:
             args += ["--bootstrap", bootstrap]
+        self.args[name] = args
         self.nodes[name] = start_node(args, workdir, launcher=launcher)
+
+    def restart(self, name: str) -> None:
+        """Stop a node cleanly (SIGTERM) and start it again as a user would: the same data
+        dir (so the same peer id) and the same p2p port (the address others know)."""
+        node = self.nodes[name]
+        port = node.p2p_addrs[0].split("/tcp/")[1].split("/")[0]  # /ip4/.../tcp/<port>/p2p/...
+        node.stop()
+        args = [*self.args[name]]
+        args[args.index("--p2p-port") + 1] = port
+        self.nodes[name] = start_node(args, self.tmp_path / name)
 
     def __getitem__(self, name: str) -> NodeProcess:
         return self.nodes[name]
@@ -394,6 +406,42 @@ def test_a_killed_stage_fails_over_to_its_standby(
     # The DIAG line is written once the reply is over: poll for it.
     assert wait_until(lambda: "failovers=1 outcome=ok" in swarm["a"].log_text(), 5.0)
     assert "DIAG: peer banned" in swarm["a"].log_text()
+
+
+def test_a_stage_shut_down_mid_stream_hands_over_and_is_routable_once_restarted(
+    swarm: Swarm, embedded_node: NodeProcess
+) -> None:
+    """A rolling restart: the holder of 10:20 on a stream's route gets SIGTERM mid-reply.
+    It tells the coordinator it is leaving, so the stream fails over to the other holder
+    without a ban, and once it is back (same peer id) it serves while the other holder is
+    restarted in turn. On the old code the clean shutdown read as a lost stage, banned 30
+    s: the restarted holder got no requests, and 503s followed (found by a stress run)."""
+    prompt = "Write a short poem about the sea."
+    reference = Stream(embedded_node, chat_body(prompt, 60, True))
+    list(reference.events())
+    swarm.start(
+        [("a", "0:10", None), ("b", "10:20", None), ("b2", "10:20", None), ("c", "20:30", None)]
+    )
+    swarm.wait_holders("a", 4)
+    by_short = {swarm.short_id(n): n for n in ("b", "b2")}
+    stream = Stream(swarm["a"], chat_body(prompt, 60, True))
+    victim = next(by_short[s] for s in stream.headers["x-swarm-nodes"].split(",") if s in by_short)
+    other = "b2" if victim == "b" else "b"
+    for _ in stream.events():
+        if stream.content_events == 20:
+            swarm[victim].proc.terminate()  # SIGTERM: a clean shutdown
+    assert stream.done and not stream.errors and stream.text == reference.text
+    assert stream.swarm is not None and stream.swarm["failovers"] == 1
+    assert swarm.short_id(other) in stream.swarm["nodes"]
+    swarm.restart(victim)
+    swarm.wait_holders("a", 4)
+    swarm[other].stop()  # the other holder's turn: only the restarted one is left
+    reply, headers = complete(swarm["a"], chat_body(prompt, 60))
+    assert reply["choices"][0]["message"]["content"] == reference.text
+    assert swarm.short_id(victim) in headers["x-swarm-nodes"].split(",")
+    log = swarm["a"].log_text()
+    assert "kind=declined" in log and "shutting down" in log
+    assert "peer banned" not in log
 
 
 def test_a_resumed_turn_whose_stage_is_killed_fails_over_to_the_same_text(swarm: Swarm) -> None:
