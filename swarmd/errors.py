@@ -155,6 +155,18 @@ class OverloadedError(UnavailableError):
     """Every session slot stayed busy for longer than the queue timeout."""
 
 
+class QueueFullError(UnavailableError):
+    """`max_queued_requests` requests wait already: this one is not queued."""
+
+    code = "queue_full"
+
+    def __init__(self, waiting: int) -> None:
+        super().__init__(
+            f"{waiting} requests are already waiting for this node; try again shortly",
+            retry_after_s=2,
+        )
+
+
 class StepTimeoutError(UnavailableError):
     """One model step ran longer than `step_timeout_s`."""
 

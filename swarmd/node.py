@@ -129,6 +129,7 @@ class Node:
             queue_timeout_s=config.queue_timeout_s,
             step_timeout_s=config.step_timeout_s,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
+            max_queued_requests=config.max_queued_requests,
         )
         chain_settings = ChainSettings(
             model_id="",  # each request's model and sizes replace these three

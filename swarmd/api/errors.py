@@ -47,7 +47,8 @@ def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]
     if isinstance(exc, AuthError):
         return 401, error_body(str(exc), "authentication_error", None, "invalid_api_key"), {}
     if isinstance(exc, UnavailableError):
-        body = error_body(_redacted(exc), "service_unavailable", None, type(exc).__name__)
+        code = getattr(exc, "code", None) or type(exc).__name__
+        body = error_body(_redacted(exc), "service_unavailable", None, code)
         return 503, body, {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, PeerError):  # a peer or the link to it failed: worth a retry
         body = error_body(_redacted(exc), "service_unavailable", None, type(exc).__name__)

@@ -102,6 +102,10 @@ class SessionSlot:
         self._client_gone = client_gone
         self.held = False
 
+    def would_wait(self) -> bool:
+        """Whether `take` would wait now: no free slot, or others waiting ahead."""
+        return self._slots._free.locked()
+
     async def take(self, deadline: float) -> None:
         """Wait (FIFO, until `deadline`, time.monotonic) for a slot: OverloadedError after."""
         slots = self._slots

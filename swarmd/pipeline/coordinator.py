@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from swarmd.errors import ModelNotFoundError, SwarmError
+from swarmd.errors import ModelNotFoundError, QueueFullError, SwarmError
 from swarmd.model.common import CommonModel
 from swarmd.model.sampling import SamplingParams
 from swarmd.pipeline.admission import KVBudget, SessionSlot, SessionSlots, unless_gone
@@ -72,6 +72,7 @@ class CoordinatorLimits:
     queue_timeout_s: float  # longest wait for a free slot
     step_timeout_s: float  # longest single model step
     prefill_chunk_tokens: int
+    max_queued_requests: int = 256  # requests waiting for a slot or KV room; more get 503
 
 
 class Coordinator:
@@ -117,6 +118,25 @@ class Coordinator:
     def waiting(self) -> int:
         """Requests queued: for a session slot, for KV room, or for a busy stage."""
         return self._queued + self.room.waiting
+
+    @contextmanager
+    def _in_line(self) -> Iterator[None]:
+        """A request waiting for a slot or KV room, counted in `waiting`; QueueFullError
+        (503) when `max_queued_requests` wait already. Checked here, where a request
+        would wait, not only as it arrives: a burst arrives all at once, before any of
+        it waits (found by a stress run: 12 at once all queued past a cap of 4)."""
+        self._refuse_if_full()
+        self._queued += 1
+        try:
+            yield
+        finally:
+            self._queued -= 1
+
+    def _refuse_if_full(self) -> None:
+        """QueueFullError when a request that would wait finds `max_queued_requests`
+        waiting already (for a slot, KV room, or a busy stage)."""
+        if self.waiting >= self._limits.max_queued_requests:
+            raise QueueFullError(self.waiting)
 
     def recent_tokens_per_second(self, model_id: str | None = None) -> float:
         """Median decode speed of the recent requests (of `model_id`; 0.0 before any)."""
@@ -209,6 +229,7 @@ class Coordinator:
             self._limits.queue_timeout_s,
             client_gone,
             slot,
+            self._refuse_if_full,
         )
 
     @asynccontextmanager
@@ -230,7 +251,6 @@ class Coordinator:
         budget = self.local_budget(request.model_id)
         try:
             deadline = time.monotonic() + self._limits.queue_timeout_s
-            self._queued += 1
 
             async def reserve() -> None:
                 nonlocal reserved
@@ -238,15 +258,14 @@ class Coordinator:
                 await budget.reserve(need, self._limits.queue_timeout_s)
                 reserved = need  # here, not after the wait: see `unless_gone`
 
-            try:
-                # FIFO for KV room: the whole session's tokens from now to its end.
-                if budget is not None and budget.try_reserve(need):
-                    reserved = need
-                elif budget is not None:
+            # FIFO for KV room: the whole session's tokens from now to its end.
+            if budget is not None and budget.try_reserve(need):
+                reserved = need
+            elif budget is not None:
+                with self._in_line():
                     await unless_gone(reserve(), client_gone)
+            with self._in_line() if slot.would_wait() else nullcontext():
                 await slot.take(deadline)
-            finally:
-                self._queued -= 1
             timing.queue_s = timing.since_received()
             sched_started = time.perf_counter()
             chain = await self.plan(

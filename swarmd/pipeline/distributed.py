@@ -198,6 +198,7 @@ class DistributedChain:
         room_wait_s: float = 0.0,
         client_gone: Callable[[], bool] = lambda: False,
         slot: SessionSlot | None = None,
+        refuse_if_full: Callable[[], None] = lambda: None,
     ) -> None:
         """`false_reports`: the node's ledger of reports that proved false (shared by its
         requests, so a repeat offender is caught; a fresh one when not given); `kept`:
@@ -207,7 +208,9 @@ class DistributedChain:
         those are left out, as stages that declined): until `room_deadline`
         (time.monotonic) before its first step, for `room_wait_s` at a time after it, or
         until `client_gone` says its client left; `slot`: the request's coordinator
-        session slot, given back for such a wait (and taken again after it)."""
+        session slot, given back for such a wait (and taken again after it);
+        `refuse_if_full`: raises QueueFullError when the node's queue is full, asked
+        before a request that has not started joins a line (a started one always may)."""
         self._access = access
         self._false_reports = false_reports if false_reports is not None else FalseReports()
         self._settings = settings
@@ -245,6 +248,7 @@ class DistributedChain:
         self.room_waits = 0  # times this request waited for a busy stage
         self._client_gone = client_gone
         self._slot = slot
+        self._refuse_if_full = refuse_if_full
 
     @property
     def is_local(self) -> bool:
@@ -512,6 +516,7 @@ class DistributedChain:
         key = self._room.line_of(self._settings.model_id)
         if key is None:
             return
+        self._refuse_if_full()
         self._ticket = self._room.join(key)
         self._waiting_since = time.monotonic()
         self._wait_until = self._room_deadline
@@ -569,6 +574,8 @@ class DistributedChain:
                 missing = busy.missing
         if route is None:
             if self._ticket is None:
+                if not self._steps:
+                    self._refuse_if_full()
                 self._ticket = self._room.join((self._settings.model_id, tuple(missing)))
             await self._wait_in_line(missing, exc)
             self._declined.clear()

@@ -304,6 +304,36 @@ async def test_a_full_queue_answers_503_at_once(
         release.set()
 
 
+async def test_a_burst_queues_no_more_than_the_cap(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve requests at once, one slot and a queue of 4: one runs, 4 wait, 7 get 503
+    queue_full at once. The cap is checked where a request would wait: as they arrive
+    none waits yet (found by a stress run: all 12 queued), and a request that finds room
+    never counts against it."""
+    node = await make_node(max_sessions=1, max_queued_requests=4)
+    release = hold_steps(node, monkeypatch)
+    url = node.api_url + CHAT
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def one() -> tuple[int, str | None]:
+                async with http.post(url, json=body(max_tokens=2)) as response:
+                    if response.status == 200:
+                        return 200, None
+                    return response.status, (await error_of(response))["code"]
+
+            burst = [asyncio.create_task(one()) for _ in range(12)]
+            assert await poll(lambda: sum(t.done() for t in burst) == 7, 10)
+            assert (node.coordinator.in_flight, node.coordinator.waiting) == (1, 4)
+            release.set()
+            outcomes = sorted(await asyncio.gather(*burst), key=str)
+            assert outcomes == [(200, None)] * 5 + [(503, "queue_full")] * 7
+            assert node.coordinator.waiting == 0
+    finally:
+        release.set()
+
+
 async def test_slow_sockets_are_cut_while_real_requests_are_served(
     make_node: NodeFactory,
 ) -> None:

@@ -25,6 +25,7 @@ from swarmd.errors import (
     KVRoomError,
     NoRouteError,
     PeerError,
+    QueueFullError,
     RouteBusyError,
     StageFailedError,
     SwarmError,
@@ -503,6 +504,35 @@ def test_a_request_whose_other_holder_is_lost_waits_for_the_busy_one() -> None:
     asyncio.run(request())
 
 
+def test_a_full_queue_turns_away_a_new_request_but_never_a_started_one() -> None:
+    """The node's `max_queued_requests` holds for requests waiting for busy stages too:
+    one that has not started gets QueueFullError (503) instead of a place in line; one
+    mid-reply (its stage lost, the others busy) always waits."""
+    swarm = FakeSwarm()
+    room = RoomQueue(poll_s=30.0)
+
+    def full() -> None:
+        raise QueueFullError(256)
+
+    async def request() -> None:
+        deadline = time.monotonic() + 60.0
+        chain = _waiting_chain(swarm, room, deadline, room_wait_s=60.0, refuse_if_full=full)
+        await chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        with pytest.raises(QueueFullError):
+            await chain._fail_over(StageFailedError("no KV room", HONEST2, "busy"))
+        assert room.waiting == 0
+        chain._steps = [[1, 2, 3]]  # started: it waits in line
+        waits = asyncio.ensure_future(
+            chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
+        )
+        assert await _until(lambda: room.waiting == 1)
+        room.freed()
+        await asyncio.wait_for(waits, 5.0)
+        await chain.close()
+
+    asyncio.run(request())
+
+
 def test_a_lost_stage_whose_range_nobody_else_holds_is_no_route() -> None:
     """Without a busy holder to wait for, a lost range is missing: the request ends."""
     swarm = FakeSwarm()
@@ -519,7 +549,11 @@ def test_a_lost_stage_whose_range_nobody_else_holds_is_no_route() -> None:
 
 
 def _waiting_chain(
-    swarm: FakeSwarm, room: RoomQueue, deadline: float, slot: SessionSlot | None = None
+    swarm: FakeSwarm,
+    room: RoomQueue,
+    deadline: float,
+    slot: SessionSlot | None = None,
+    **more: Any,
 ) -> DistributedChain:
     return DistributedChain(
         swarm,
@@ -530,6 +564,7 @@ def _waiting_chain(
         room=room,
         room_deadline=deadline,
         slot=slot,
+        **more,
     )
 
 
