@@ -18,10 +18,10 @@ from swarmd.api.completions import chat_completions, completions
 from swarmd.api.diagnostics import build_report
 from swarmd.api.errors import Handler, error_middleware
 from swarmd.api.metrics import CONTENT_TYPE
+from swarmd.api.routing_view import covered, merge_ranges, route_holders
 from swarmd.dht.index import CatalogModel
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ModelNotFoundError, SwarmError
-from swarmd.pipeline.variants import choose_variant
 
 if TYPE_CHECKING:
     from swarmd.node import Node
@@ -242,17 +242,6 @@ async def _catalog(node: Node) -> list[CatalogModel]:
         return []
 
 
-def merge_ranges(ranges: list[tuple[int, int]]) -> list[list[int]]:
-    """Union of half-open ranges, sorted: [(0,10),(5,20),(25,30)] -> [[0,20],[25,30]]."""
-    merged: list[list[int]] = []
-    for start, end in sorted(ranges):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return merged
-
-
 async def _model_entry(node: Node, model_id: str) -> dict[str, Any]:
     """A model this node holds layers of."""
     model = node.held[model_id].model
@@ -270,17 +259,15 @@ async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | Non
     ready = [r for r in await _holders(node, listed.model_id) if r.state == "ready"]
     if not ready:
         return None
-    try:
-        variant = choose_variant(listed.model_id, ready, node.model_ids)
-        chosen = [r for r in ready if r.model_hash == variant.content_id]
-    except ModelNotFoundError:  # served without a manifest: forwarded to a whole holder
-        variant, chosen = None, ready
-    holders = {r.peer_id: (r.layer_start, r.layer_end) for r in chosen}
+    view = await route_holders(node, listed.model_id, ready)
+    holders = {r.peer_id: (r.layer_start, r.layer_end) for r in view.holders}
     hashes = {e.model_hash: e for _, e in listed.listed_by}
+    variant = view.variant
     listing = hashes.get(variant.content_id if variant else "") or listed.listed_by[0][1]
-    num_layers = chosen[0].num_layers
-    routable = variant is not None or await node.forward_holder(listed.model_id) is not None
-    return _entry(node, listed.model_id, listing.context_length, num_layers, holders, routable)
+    num_layers = view.holders[0].num_layers
+    return _entry(
+        node, listed.model_id, listing.context_length, num_layers, holders, view.can_route
+    )
 
 
 def _entry(
@@ -294,8 +281,6 @@ def _entry(
     """A `/v1/models` entry; routable when this node can route the model at all and the
     holders it would use (banned peers left out) cover every layer."""
     coverage = merge_ranges(list(holders.values()))
-    banned = node.banned()
-    usable = merge_ranges([r for p, r in holders.items() if p not in banned])
     return {
         "id": model_id,
         "object": "model",
@@ -310,6 +295,6 @@ def _entry(
             "coverage": coverage,
             "num_layers": num_layers,
             "complete": coverage == [[0, num_layers]],
-            "routable": can_route and usable == [[0, num_layers]],
+            "routable": can_route and covered(num_layers, holders, node.banned()),
         },
     }

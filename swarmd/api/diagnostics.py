@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from swarmd import __version__
 from swarmd.api.redact import Redactor
+from swarmd.api.routing_view import covered, route_holders
 from swarmd.dht.records import NodeRecord
 from swarmd.model.layers import LayerRange
 from swarmd.model.memory import available_memory_bytes, rss_bytes, total_memory_bytes
@@ -47,6 +48,7 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
     # Read once, so every section tells of the same moment.
     ranges = _ranges(node, holders)
     banned = node.banned()
+    routable = {m: await _routable(node, m, r, holders, banned) for m, r in ranges.items()}
     requests = node.coordinator.ring.recent()[-MAX_REQUESTS:]
     failures = node.failures.recent()[-MAX_FAILURES:]
     sections = [
@@ -56,7 +58,10 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
         _section_addresses(node),
         _section_peers(node, holders, connected, relayed, table, rejected, now),
         _section_models(node),
-        *(_section_coverage(node, model_id, ranges[model_id], banned) for model_id in ranges),
+        *(
+            _section_coverage(node, model_id, ranges[model_id], routable[model_id])
+            for model_id in ranges
+        ),
         _section_requests(requests),
         _section_failures(failures),
         _section_sessions(node),
@@ -287,7 +292,25 @@ def _model_files(model: LoadedModel) -> list[str]:
     return lines
 
 
-def _section_coverage(node: Node, model_id: str, held: ModelRanges, banned: set[str]) -> str:
+async def _routable(
+    node: Node, model_id: str, held: ModelRanges, holders: list[NodeRecord], banned: set[str]
+) -> bool:
+    """As `/v1/models` says it: a model held whole here, or one whose holders this node
+    may use cover every layer (of one variant; one served without a manifest is
+    routable only through a whole holder it is forwarded to)."""
+    mine = node.held.get(model_id)
+    if mine is not None:
+        ranges = {p: (r.start, r.end) for p, r in held.by_peer.items()}
+        return mine.model.is_whole or covered(held.num_layers, ranges, banned)
+    ready = [r for r in holders if r.model_id == model_id and r.state == "ready"]
+    if not ready:
+        return False
+    view = await route_holders(node, model_id, ready)
+    chosen = {r.peer_id: (r.layer_start, r.layer_end) for r in view.holders}
+    return view.can_route and covered(held.num_layers, chosen, banned)
+
+
+def _section_coverage(node: Node, model_id: str, held: ModelRanges, routable: bool) -> str:
     ranges = held.by_peer
     counts = coverage(held.num_layers, ranges.values())
     lines = [f"== Layer coverage of {model_id} ({held.num_layers} layers)"]
@@ -303,10 +326,6 @@ def _section_coverage(node: Node, model_id: str, held: ModelRanges, banned: set[
             f"gap {gap}: no holder; fill it with: swarmd run --model {model_id} "
             f"--layers {gap} --bootstrap <an address above> (or --layers auto)"
         )
-    usable = [r for p, r in ranges.items() if p not in banned]
-    mine = node.held.get(model_id)
-    whole = mine is not None and mine.model.is_whole
-    routable = whole or not gaps(coverage(held.num_layers, usable))
     lines.append(f"routable from this node: {'yes' if routable else 'no'}")
     return "\n".join(lines)
 
