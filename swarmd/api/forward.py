@@ -93,6 +93,11 @@ async def forward_reply(
                 headers = dict(frame["headers"])
                 headers["x-swarm-route"] = "forwarded"
                 headers["x-swarm-nodes"] = short
+                # This node's id, which its DIAG line logs; the holder's logs its own.
+                holder_id = headers.pop("x-swarm-request-id", None)
+                headers["x-swarm-request-id"] = request_id
+                if holder_id is not None:
+                    headers["x-swarm-holder-request-id"] = holder_id
                 response = web.StreamResponse(status=frame["status"], headers=headers)
                 if not await _to_client(response.prepare(request)):
                     error = ClientDisconnectedError("The client closed the connection")

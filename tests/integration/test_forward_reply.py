@@ -24,6 +24,7 @@ from tests.unit.test_route import record
 
 HOLDER = "12D3KooWHOLDERxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
 DONE = b"data: [DONE]\n\n"
+HOLDER_ID = {"X-Swarm-Request-Id": "holders-id"}
 
 
 class FakeNode:
@@ -37,7 +38,7 @@ class FakeNode:
         self.cancelled = False
 
     async def forward_to(self, peer_id: str, path: str, body: bytes, deliver: Deliver) -> None:
-        deliver(head_frame(200, {"Content-Type": "text/event-stream"}))
+        deliver(head_frame(200, {"Content-Type": "text/event-stream", **HOLDER_ID}))
         for chunk in self.chunks:
             deliver(data_frame(chunk))
         await self.client_closed.wait()
@@ -98,6 +99,10 @@ def test_a_client_closing_at_done_leaves_a_whole_reply_logged_ok(
     with caplog.at_level(logging.WARNING):
         got, reports = asyncio.run(_serve_and_read(node, DONE))
     assert got.startswith(b"HTTP/1.1 200") and DONE in got
+    # The id this node's DIAG line logs, and the holder's beside it.
+    head = got.split(b"\r\n\r\n")[0].lower()
+    assert b"\r\nx-swarm-request-id: r1\r\n" in head
+    assert b"\r\nx-swarm-holder-request-id: holders-id" in head
     assert [(r.outcome, r.error_type) for r in reports] == [("ok", None)]
     assert node.bans == [] and "Traceback" not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -10,7 +10,7 @@ from typing import Any
 
 from swarmd.api.diagnostics import ModelRanges, _routable
 from swarmd.dht.records import NodeRecord
-from tests.unit.test_route import L, MODEL, record
+from tests.unit.test_route import MODEL, L, record
 
 
 def node(whole_holder: str | None = None) -> Any:
