@@ -18,6 +18,7 @@ the request costs anything:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ INFER_PREFIX = "/v1/"
 JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 QUEUED_PATHS = JSON_PATHS
 CORS_MAX_AGE_S = 600
+DRAIN_S = 1.0  # how long a refused body is read and dropped before the connection closes
 
 
 def is_loopback_name(host: str) -> bool:
@@ -189,21 +191,52 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
         response.headers["Retry-After"] = "2"
         return response
     if request.body_exists:
+        limit = node.config.max_body_bytes
+        too_large = f"Request body too large: the limit is {limit} bytes"
+        declared = request.content_length
+        if declared is not None and declared > limit:  # refused before a byte of it is read
+            return await _refuse_and_close(
+                request, 413, too_large, "invalid_request_error", "payload_too_large"
+            )
         try:
             # Read here, under a deadline: the handlers' request.json() then finds it read.
             async with asyncio.timeout(node.config.http_body_timeout_s):
                 await request.read()
         except TimeoutError:
-            response = _refuse(
+            return await _refuse_and_close(
                 request,
                 408,
                 f"The request body did not arrive within {node.config.http_body_timeout_s:g} s",
                 "invalid_request_error",
                 "body_timeout",
             )
-            # Sent and cut here: aiohttp would otherwise linger reading the rest.
-            await response.prepare(request)
-            await response.write_eof()
-            request.protocol.force_close()
-            return response
+        except web.HTTPRequestEntityTooLarge:  # a chunked body past the limit
+            return await _refuse_and_close(
+                request, 413, too_large, "invalid_request_error", "payload_too_large", limit
+            )
     return await handler(request)
+
+
+async def _refuse_and_close(
+    request: web.Request,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str,
+    drain_bytes: int = 0,
+) -> web.Response:
+    """Refuse, send it, and close the connection: the rest of the body is not waited for
+    (aiohttp would otherwise linger reading it, and answer the leftovers with a 408).
+    `drain_bytes`: first read and drop up to that much of what the client has sent
+    already (for `DRAIN_S` at most), so the close is a FIN after the answer, not a reset
+    that can destroy the answer in the client's buffer."""
+    response = _refuse(request, status, message, error_type, code)
+    await response.prepare(request)
+    await response.write_eof()
+    if drain_bytes:
+        with contextlib.suppress(Exception):  # whatever stops the drain: close now
+            async with asyncio.timeout(DRAIN_S):
+                while drain_bytes > 0 and (got := await request.content.readany()):
+                    drain_bytes -= len(got)
+    request.protocol.force_close()
+    return response

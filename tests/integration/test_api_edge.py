@@ -255,6 +255,34 @@ async def test_a_trickled_body_is_cut_at_its_deadline(make_node: NodeFactory) ->
     assert node.coordinator.in_flight == 0
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+async def test_a_body_over_the_limit_is_refused_at_once_and_the_connection_closed(
+    make_node: NodeFactory, chunked: bool
+) -> None:
+    """A declared length over `max_body_bytes` is refused before its body (it used to
+    wait for the body's deadline, then answer 408); a chunked body is refused once it
+    passes the limit. Either way one 413 in OpenAI's shape, then the connection closes
+    (it used to stay open, and a stray 408 followed on it)."""
+    node = await make_node(http_body_timeout_s=5.0)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    head += b"Content-Type: application/json\r\n"
+    if chunked:
+        chunk = b"x" * 65536
+        size = f"{len(chunk):x}".encode()
+        data = head + b"Transfer-Encoding: chunked\r\n\r\n"
+        data += (size + b"\r\n" + chunk + b"\r\n") * 20  # 1.25 MiB, never ended
+    else:
+        data = head + b"Content-Length: 10000000000\r\n\r\n{"
+    started = time.monotonic()
+    answer = await raw_exchange(port_of(node), data, timeout_s=8)
+    assert time.monotonic() - started < 3
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
+    assert answer.count(b"HTTP/1.1 ") == 1  # and nothing after it
+    payload = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert payload["error"]["code"] == "payload_too_large"
+    assert await poll(lambda: node.edge.stats.open == 0, 2)
+
+
 async def test_an_idle_kept_alive_connection_is_closed(make_node: NodeFactory) -> None:
     node = await make_node(http_keepalive_timeout_s=0.5)
     request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
