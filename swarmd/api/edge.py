@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,12 @@ class Edge:
         self._guards: dict[asyncio.BaseTransport, _Guard] = {}
 
     def factory(self, server: web.Server) -> Any:
-        return lambda: _Guard(self, server())
+        def connection() -> _Guard:
+            # aiohttp's own handler, with malformed HTTP answered as the API answers.
+            inner = _Handler(self, server, loop=server._loop, **server._kwargs)
+            return _Guard(self, inner)
+
+        return connection
 
     def admit(self, client: str) -> bool:
         limits, stats = self.limits, self.stats
@@ -91,6 +98,42 @@ class Edge:
         guard = self._guards.get(transport) if transport is not None else None
         if guard is not None:
             guard.request_done()
+
+
+class _Handler(RequestHandler):
+    """aiohttp's request handler, but a request it cannot parse (a bad request line,
+    header or length, a head over its size) gets a 4xx in OpenAI's error shape and one
+    log line, not a plain-text body echoing the input and a logged traceback."""
+
+    __slots__ = ("_edge",)
+
+    def __init__(self, edge: Edge, server: web.Server, **kwargs: Any) -> None:
+        super().__init__(server, **kwargs)
+        self._edge = edge
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500 or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        what = type(exc).__name__ if exc is not None else "BadHttpMessage"
+        log.info("malformed HTTP request from %s: %s (%d)", request.remote, what, status)
+        self._edge.stats.refuse("bad_http")
+        body = {
+            "error": {
+                "message": f"Malformed HTTP request ({what})",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "bad_http",
+            }
+        }
+        response = web.json_response(body, status=status)
+        response.force_close()
+        return response
 
 
 class _Guard(asyncio.Protocol):

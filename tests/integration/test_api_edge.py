@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,34 @@ async def test_a_trickled_body_is_cut_at_its_deadline(make_node: NodeFactory) ->
     assert b"body_timeout" in answer
     assert time.monotonic() - started < 3
     assert node.coordinator.in_flight == 0
+
+
+MALFORMED = {
+    "garbage request line": b"GARBAGE\r\n\r\n",
+    "bad length": b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: x\r\n\r\n",
+    "negative length": b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: -5\r\n\r\n",
+    "huge header": b"GET /health HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("data", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_malformed_http_gets_a_4xx_in_openai_shape_and_no_traceback(
+    make_node: NodeFactory, caplog: pytest.LogCaptureFixture, data: bytes
+) -> None:
+    """Requests aiohttp cannot parse were answered in plain text echoing the input, and
+    logged with a traceback at ERROR (found by a stress run)."""
+    node = await make_node()
+    with caplog.at_level(logging.INFO):
+        answer = await raw_exchange(port_of(node), data)
+    status = int(answer.split(b" ", 2)[1])
+    assert 400 <= status < 500, answer[:80]
+    payload = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+    assert payload["error"]["code"] == "bad_http"
+    assert b"GARBAGE" not in answer and b"aaaa" not in answer  # nothing of the input echoed
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "Traceback" not in caplog.text and "malformed HTTP request" in caplog.text
+    again = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    assert (await raw_exchange(port_of(node), again)).startswith(b"HTTP/1.1 200")
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
