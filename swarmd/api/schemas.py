@@ -362,7 +362,7 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = _most_telling(exc.errors())
         param = _param_path(first["loc"])
         if first["type"] == "extra_forbidden":
             raise InvalidRequestError(
@@ -371,6 +371,20 @@ def validate(model: type[M], body: dict[str, Any]) -> M:
         if first["type"] == "missing":
             raise InvalidRequestError(f"Missing required parameter: '{param}'", param) from exc
         raise InvalidRequestError(f"Invalid value for '{param}': {first['msg']}", param) from exc
+
+
+def _most_telling(errors: list[Any]) -> Any:
+    """The error to report. A field of several accepted shapes (`stop`: a string or a
+    list; `prompt`: four) fails once per shape, the first being "should be a valid
+    string" for a value that is plainly a list; a shape whose type matched and whose
+    limit failed ("at most 4 items", ">= 0") says what is wrong."""
+    first = errors[0]
+    for error in errors:
+        if error["loc"][:1] != first["loc"][:1]:
+            break  # only the first failing field's shapes
+        if not str(error["type"]).endswith(("_type", "_parsing")):
+            return error
+    return first
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:

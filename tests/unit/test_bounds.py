@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from swarmd.api.completions import _sampling  # the endpoint's own request -> sampling
-from swarmd.api.schemas import ChatCompletionRequest, validate
+from swarmd.api.schemas import ChatCompletionRequest, CompletionRequest, validate
 from swarmd.errors import InvalidRequestError, RequestRefusedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import SamplingParams
@@ -142,3 +142,24 @@ def test_more_logit_bias_entries_than_the_wire_carries_is_a_400_naming_logit_bia
         validate(ChatCompletionRequest, {**base, "logit_bias": too_many})
     assert info.value.param == "logit_bias"
     assert info.value.status == 400
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param", "says"),
+    [
+        ("stop", ["x"] * (bounds.MAX_STOP + 1), "stop", f"at most {bounds.MAX_STOP} items"),
+        ("prompt", [], "prompt", "at least 1 item"),
+        ("prompt", [-1], "prompt[0]", "greater than or equal to 0"),
+        ("prompt", [[1], []], "prompt[1]", "at least 1 item"),
+    ],
+)
+def test_a_field_of_several_shapes_names_what_is_wrong_with_the_one_sent(
+    field: str, value: Any, param: str, says: str
+) -> None:
+    """A list that breaks a limit used to be told "Input should be a valid string" (the
+    error of the field's first shape, a string); found by a stress run."""
+    body = {"model": "m", "prompt": "x", field: value}
+    with pytest.raises(InvalidRequestError) as caught:
+        validate(CompletionRequest, body)
+    assert caught.value.param == param
+    assert says in str(caught.value) and "valid string" not in str(caught.value)
