@@ -105,14 +105,16 @@ def passed_header(name: str) -> bool:
     return name in PASSED_HEADERS or name.startswith(PASSED_PREFIX)
 
 
-def error_frames(status: int, message: str, kind: str) -> list[dict[str, Any]]:
-    """A whole response in OpenAI's error shape: head, body, end."""
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}})
-    return [
-        head_frame(status, {"content-type": "application/json"}),
-        data_frame(body.encode()),
-        END_FRAME,
-    ]
+def error_frames(
+    status: int, message: str, kind: str, code: str | None = None, retry_after_s: int = 0
+) -> list[dict[str, Any]]:
+    """A whole response in OpenAI's error shape: head, body, end (`retry_after_s`: a
+    Retry-After header, for a refusal that passes)."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    headers = {"content-type": "application/json"}
+    if retry_after_s:
+        headers["retry-after"] = str(retry_after_s)
+    return [head_frame(status, headers), data_frame(body.encode()), END_FRAME]
 
 
 class ForwardService:
@@ -135,7 +137,8 @@ class ForwardService:
         request = self._request.read(frame, _bad_frame(peer))
         refusal = self._over_cap(peer)
         if refusal is not None:
-            for out in error_frames(503, refusal, "server_error"):
+            busy = error_frames(503, refusal, "service_unavailable", "forward_busy", 2)
+            for out in busy:
                 await stream.send(out, timeout_s=self._limits.send_s)
             return
         self._in_flight[peer] = self._in_flight.get(peer, 0) + 1

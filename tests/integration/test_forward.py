@@ -8,6 +8,7 @@ requester (MalformedFrameError naming it); a requester gone mid-reply cancels `e
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -119,7 +120,10 @@ def test_requests_over_the_caps_get_a_503_and_no_ban() -> None:
                 assert service.in_flight == LIMITS.max_peer_forwards
                 over = await collect(requester, holder)  # this peer's third at once
                 assert over[0]["status"] == 503
-                assert b"as many forwarded requests" in over[1]["data"]
+                assert over[0]["headers"]["retry-after"] == "2"  # a client's cue to retry
+                error = json.loads(over[1]["data"])["error"]
+                assert "as many forwarded requests" in error["message"]
+                assert (error["type"], error["code"]) == ("service_unavailable", "forward_busy")
                 release.set()
             assert [r[0]["status"] for r in results] == [200, 200]
             assert bans == []
