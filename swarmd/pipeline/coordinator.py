@@ -262,7 +262,9 @@ class Coordinator:
             if budget is not None and budget.try_reserve(need):
                 reserved = need
             elif budget is not None:
-                with self._in_line():
+                # One that could never fit is told so (413) at once, full queue or not.
+                fits = need <= budget.total
+                with self._in_line() if fits else nullcontext():
                     await unless_gone(reserve(), client_gone)
             with self._in_line() if slot.would_wait() else nullcontext():
                 await slot.take(deadline)

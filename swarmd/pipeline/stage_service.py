@@ -161,14 +161,14 @@ class StageService:
         told = dict(self._sessions)
         if not told:
             self._no_sessions.set()
-        if told:
-            log.info("leaving: telling %d sessions' coordinators", len(told))
-            frame = wire.fail_frame(self.peer_id, LEAVING, "declined")
-            async with trio.open_nursery() as nursery:
-                for up in told.values():
-                    nursery.start_soon(_report, up, frame)
-            with trio.move_on_after(grace_s):
-                await self._no_sessions.wait()
+            return 0
+        log.info("leaving: telling %d sessions' coordinators", len(told))
+        frame = wire.fail_frame(self.peer_id, LEAVING, "declined")
+        async with trio.open_nursery() as nursery:
+            for up in told.values():
+                nursery.start_soon(_report, up, frame)
+        with trio.move_on_after(grace_s):
+            await self._no_sessions.wait()
         return len(told)
 
     def spawn(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -341,7 +342,7 @@ async def test_connections_over_the_per_client_cap_get_503(make_node: NodeFactor
 async def test_a_full_queue_answers_503_at_once(
     make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    node = await make_node(max_sessions=1, max_queued_requests=1)
+    node = await make_node(max_sessions=1, max_queued_requests=1, kv_budget_tokens=100)
     release = hold_steps(node, monkeypatch)
     url = node.api_url + CHAT
     try:
@@ -354,6 +355,11 @@ async def test_a_full_queue_answers_503_at_once(
                 assert refused.status == 503
                 assert refused.headers["Retry-After"] == "2"
                 assert (await error_of(refused))["code"] == "queue_full"
+            # One that could never fit the KV budget is told so (413), full queue or not:
+            # past the arrival check (lifted here), admission's queue is still full.
+            node.config = replace(node.config, max_queued_requests=10)
+            async with http.post(url, json=body(max_tokens=120)) as never:
+                assert never.status == 413, await never.text()
             release.set()
             assert (await running).status == 200
             assert (await queued).status == 200
