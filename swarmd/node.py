@@ -544,6 +544,11 @@ class Node:
     async def forward_holder(self, model_id: str) -> NodeRecord | None:
         """A peer holding `model_id` whole that takes forwarded requests (the nearest),
         for a model this node cannot route; None when there is none."""
+        holders = await self.forward_holders(model_id)
+        return holders[0] if holders else None
+
+    async def forward_holders(self, model_id: str) -> list[NodeRecord]:
+        """The peers holding `model_id` whole that take forwarded requests, nearest first."""
         banned = self.banned()
         rtt = self.rtt_ms()
         whole = [
@@ -556,7 +561,7 @@ class Node:
             and r.peer_id not in banned
             and version_tuple(r.version) >= FORWARD_SINCE
         ]
-        return min(whole, key=lambda r: rtt.get(r.peer_id, 1e9), default=None)
+        return sorted(whole, key=lambda r: (rtt.get(r.peer_id, 1e9), r.peer_id))
 
     async def forward_to(self, peer_id: str, path: str, body: bytes, deliver: Deliver) -> None:
         """Forward a request to `peer_id` (`api.forward.ForwardAccess`)."""

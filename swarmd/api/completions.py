@@ -318,13 +318,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _complete(request, "text")
 
 
-async def _forward_holder(request: web.Request, model_id: str) -> NodeRecord | None:
-    """Where to forward a request for a model this node cannot route (None: nowhere; a
-    request forwarded here already is never forwarded again)."""
+async def _forward_holders(request: web.Request, model_id: str) -> list[NodeRecord]:
+    """Where to forward a request for a model this node cannot route, nearest first
+    (none: nowhere; a request forwarded here already is never forwarded again)."""
     node = request.app[keys.NODE]
     if is_forwarded(request, node.forwards.secret):
-        return None
-    return await node.forward_holder(model_id)
+        return []
+    holders: list[NodeRecord] = await node.forward_holders(model_id)
+    return holders
 
 
 async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
@@ -345,13 +346,13 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         try:
             model = await coordinator.resolve(req.model)
         except ModelNotFoundError:
-            holder = await _forward_holder(request, req.model)
-            if holder is None:
+            holders = await _forward_holders(request, req.model)
+            if not holders:
                 raise
             node = request.app[keys.NODE]
             report = coordinator.report
             raw = await request.read()
-            return await forward_reply(request, node, holder, raw, request_id, req.model, report)
+            return await forward_reply(request, node, holders, raw, request_id, req.model, report)
         # Tokenizing a long prompt takes long enough to stall the loop: do it off it.
         tools: _Tools | None = None
         prompts: list[list[int]] | None = None  # several, from /v1/completions

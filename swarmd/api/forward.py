@@ -29,6 +29,7 @@ from swarmd.errors import ClientDisconnectedError, FrameError, PeerError, SwarmE
 from swarmd.pipeline.report import RequestRecord, ms
 from swarmd.transfer.forward import (
     END_FRAME,
+    FORWARD_BUSY,
     MAX_CHUNK_BYTES,
     Deliver,
     data_frame,
@@ -60,39 +61,54 @@ def is_forwarded(request: web.Request, secret: str) -> bool:
 async def forward_reply(
     request: web.Request,
     node: ForwardAccess,
-    holder: NodeRecord,
+    holders: list[NodeRecord],
     body: bytes,
     request_id: str,
     model: str,
     report: Callable[[RequestRecord], None],
 ) -> web.StreamResponse:
-    """Send the request to `holder` and write its response here as it comes. A holder
-    that breaks the protocol is banned; one that goes away before its head is a 503 (a
-    PeerError), after it an error event (a stream) or a cut response."""
+    """Send the request to the first of `holders` (nearest first) and write its response
+    here as it comes; a holder at its forward caps (`forward_busy`) hands it to the next.
+    A holder that breaks the protocol is banned; one that goes away before its head is a
+    503 (a PeerError), after it an error event (a stream) or a cut response."""
     started = time.monotonic()
+    rest = list(holders)
+    holder = rest.pop(0)
     frames: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
-
-    async def run() -> None:
-        try:
-            await node.forward_to(holder.peer_id, request.path, body, frames.put_nowait)
-        except Exception as exc:  # handed to the writer, which raises it
-            frames.put_nowait(exc)
-
-    task = asyncio.create_task(run())
+    task = _start(node, holder, request.path, body, frames)
+    held: list[dict[str, Any]] | None = None  # a 503 kept back while another holder may do
     response: web.StreamResponse | None = None
     first_data: float | None = None
     error: BaseException | None = None
-    short = holder.peer_id[-8:]
     try:
         while True:
             frame = await frames.get()
             if isinstance(frame, BaseException):
                 raise frame
             kind = frame["t"]
+            if kind == "head" and frame["status"] == 503 and rest:
+                held = [frame]
+                continue
+            if held is not None and kind == "data":
+                held.append(frame)
+                continue
+            if held is not None and kind == "end":
+                if _forward_busy(held):
+                    log.info("forward: %s is at its caps, trying the next", holder.peer_id[-8:])
+                    await _stop(task)
+                    holder, held = rest.pop(0), None
+                    frames = asyncio.Queue()
+                    task = _start(node, holder, request.path, body, frames)
+                    continue
+                for kept in held:  # another 503: the client gets it as it was
+                    frames.put_nowait(kept)
+                frames.put_nowait(frame)
+                held, rest = None, []
+                continue
             if kind == "head":
                 headers = dict(frame["headers"])
                 headers["x-swarm-route"] = "forwarded"
-                headers["x-swarm-nodes"] = short
+                headers["x-swarm-nodes"] = holder.peer_id[-8:]
                 # This node's id, which its DIAG line logs; the holder's logs its own.
                 holder_id = headers.pop("x-swarm-request-id", None)
                 headers["x-swarm-request-id"] = request_id
@@ -113,32 +129,65 @@ async def forward_reply(
                 return response
     except FrameError as exc:
         error = exc
+        short = holder.peer_id[-8:]
         await node.ban(holder.peer_id, f"bad frame on a forwarded reply: {exc}")
         return await _broken(request, response, f"node {short} sent a bad reply; it is banned")
     except (PeerError, SwarmError) as exc:
         error = exc
         if response is None:
             raise
-        return await _broken(request, response, f"node {short} went away mid-reply: {exc}")
+        why = f"node {holder.peer_id[-8:]} went away mid-reply: {exc}"
+        return await _broken(request, response, why)
     except BaseException as exc:
         error = exc
         raise
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await _stop(task)
         total = time.monotonic() - started
         report(
             RequestRecord(
                 request_id=request_id,
                 model=model,
                 route="forwarded",
-                nodes=[short],
+                nodes=[holder.peer_id[-8:]],
                 outcome="ok" if error is None else "error",
                 error_type=None if error is None else type(error).__name__,
                 ttft_ms=ms(first_data - started) if first_data is not None else None,
                 total_ms=ms(total),
             )
         )
+
+
+def _start(
+    node: ForwardAccess,
+    holder: NodeRecord,
+    path: str,
+    body: bytes,
+    frames: asyncio.Queue[dict[str, Any] | BaseException],
+) -> asyncio.Task[None]:
+    """Forward to `holder`, its frames (or its error) put on `frames`."""
+
+    async def run() -> None:
+        try:
+            await node.forward_to(holder.peer_id, path, body, frames.put_nowait)
+        except Exception as exc:  # handed to the writer, which raises it
+            frames.put_nowait(exc)
+
+    return asyncio.create_task(run())
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def _forward_busy(frames: list[dict[str, Any]]) -> bool:
+    """Whether a held-back 503 is a holder's "at my forward caps" (`forward_busy`)."""
+    try:
+        error = json.loads(b"".join(f["data"] for f in frames[1:]))["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == FORWARD_BUSY
 
 
 async def _broken(

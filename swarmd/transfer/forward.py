@@ -45,6 +45,7 @@ MAX_CHUNK_BYTES = 1 << 20  # one data frame; the holder's writes are far smaller
 # let a peer set cookies, redirect or change the connection.
 PASSED_HEADERS = frozenset({"content-type", "cache-control", "retry-after"})
 PASSED_PREFIX = "x-swarm-"
+FORWARD_BUSY = "forward_busy"  # the error code of a holder at its forward caps
 
 Deliver = Callable[[dict[str, Any]], None]
 """`deliver(frame)`: one response frame (head, data..., end), as it comes."""
@@ -137,7 +138,7 @@ class ForwardService:
         request = self._request.read(frame, _bad_frame(peer))
         refusal = self._over_cap(peer)
         if refusal is not None:
-            busy = error_frames(503, refusal, "service_unavailable", "forward_busy", 2)
+            busy = error_frames(503, refusal, "service_unavailable", FORWARD_BUSY, 2)
             for out in busy:
                 await stream.send(out, timeout_s=self._limits.send_s)
             return
