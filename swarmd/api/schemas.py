@@ -379,11 +379,16 @@ def _most_telling(errors: list[Any]) -> Any:
     string" for a value that is plainly a list; a shape whose type matched and whose
     limit failed ("at most 4 items", ">= 0") says what is wrong."""
     first = errors[0]
-    for error in errors:
-        if error["loc"][:1] != first["loc"][:1]:
-            break  # only the first failing field's shapes
+    shapes = [e for e in errors if e["loc"][:1] == first["loc"][:1]]  # the first field's
+    for error in shapes:
         if not str(error["type"]).endswith(("_type", "_parsing")):
             return error
+    # A type none of the shapes takes: name them all ("a valid string or a valid list").
+    prefix = "Input should be "
+    said = list(dict.fromkeys(str(e["msg"]).removeprefix(prefix) for e in shapes))
+    whole = {_param_path(e["loc"]) for e in shapes} == {_param_path(first["loc"][:1])}
+    if whole and len(said) > 1 and all(str(e["msg"]).startswith(prefix) for e in shapes):
+        return {**first, "msg": prefix + " or ".join(said)}
     return first
 
 

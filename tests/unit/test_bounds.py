@@ -163,3 +163,11 @@ def test_a_field_of_several_shapes_names_what_is_wrong_with_the_one_sent(
         validate(CompletionRequest, body)
     assert caught.value.param == param
     assert says in str(caught.value) and "valid string" not in str(caught.value)
+
+
+def test_a_value_of_no_accepted_shape_is_told_every_shape() -> None:
+    for field in ("stop", "prompt"):
+        with pytest.raises(InvalidRequestError) as caught:
+            validate(CompletionRequest, {"model": "m", "prompt": "x", field: 5})
+        assert caught.value.param == field
+        assert "should be a valid string or a valid list" in str(caught.value)
