@@ -243,7 +243,7 @@ async def test_equal_prompts_without_a_seed_are_separate_samples(
         (["x"] * 33, 1, "prompt"),  # more than 32 replies
         (["x"] * 17, 2, "n"),  # 34 replies
         ([[1, 2], [10**9]], 1, "prompt[1]"),  # a token id past the vocabulary
-        ([[1, 2], []], 1, "prompt"),  # an empty token list
+        ([[1, 2], []], 1, "prompt[1]"),  # an empty token list
         (["a", ""], 1, "prompt[1]"),  # an empty text
         (["a", [1]], 1, "prompt"),  # text and tokens mixed
     ],
