@@ -541,19 +541,18 @@ class Node:
         """Trio side: a peer's forwarded request, run on this node's API (asyncio)."""
         await self.bridge.to_asyncio(self.forwards.execute(path, body, peer_id, deliver))
 
-    async def forward_holder(self, model_id: str) -> NodeRecord | None:
-        """A peer holding `model_id` whole that takes forwarded requests (the nearest),
-        for a model this node cannot route; None when there is none."""
-        holders = await self.forward_holders(model_id)
-        return holders[0] if holders else None
-
     async def forward_holders(self, model_id: str) -> list[NodeRecord]:
-        """The peers holding `model_id` whole that take forwarded requests, nearest first."""
+        """The peers holding `model_id` whole that take forwarded requests, nearest first,
+        for a model this node cannot route."""
+        return self.forward_candidates(await self.holders(model_id))
+
+    def forward_candidates(self, records: list[NodeRecord]) -> list[NodeRecord]:
+        """Of `records`, the whole holders that take forwarded requests, nearest first."""
         banned = self.banned()
         rtt = self.rtt_ms()
         whole = [
             r
-            for r in await self.holders(model_id)
+            for r in records
             if r.state == "ready"
             and r.layer_start == 0
             and r.layer_end == r.num_layers

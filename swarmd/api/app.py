@@ -259,7 +259,7 @@ async def _swarm_entry(node: Node, listed: CatalogModel) -> dict[str, Any] | Non
     ready = [r for r in await _holders(node, listed.model_id) if r.state == "ready"]
     if not ready:
         return None
-    view = await route_holders(node, listed.model_id, ready)
+    view = route_holders(node, listed.model_id, ready)
     holders = {r.peer_id: (r.layer_start, r.layer_end) for r in view.holders}
     hashes = {e.model_hash: e for _, e in listed.listed_by}
     variant = view.variant

@@ -48,7 +48,7 @@ async def build_report(node: Node, holders: list[NodeRecord], full: bool) -> str
     # Read once, so every section tells of the same moment.
     ranges = _ranges(node, holders)
     banned = node.banned()
-    routable = {m: await _routable(node, m, r, holders, banned) for m, r in ranges.items()}
+    routable = {m: _routable(node, m, r, holders, banned) for m, r in ranges.items()}
     requests = node.coordinator.ring.recent()[-MAX_REQUESTS:]
     failures = node.failures.recent()[-MAX_FAILURES:]
     sections = [
@@ -292,7 +292,7 @@ def _model_files(model: LoadedModel) -> list[str]:
     return lines
 
 
-async def _routable(
+def _routable(
     node: Node, model_id: str, held: ModelRanges, holders: list[NodeRecord], banned: set[str]
 ) -> bool:
     """As `/v1/models` says it: a model held whole here, or one whose holders this node
@@ -305,7 +305,7 @@ async def _routable(
     ready = [r for r in holders if r.model_id == model_id and r.state == "ready"]
     if not ready:
         return False
-    view = await route_holders(node, model_id, ready)
+    view = route_holders(node, model_id, ready)
     chosen = {r.peer_id: (r.layer_start, r.layer_end) for r in view.holders}
     return view.can_route and covered(held.num_layers, chosen, banned)
 

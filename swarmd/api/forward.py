@@ -29,7 +29,7 @@ from swarmd.errors import ClientDisconnectedError, FrameError, PeerError, SwarmE
 from swarmd.pipeline.report import RequestRecord, ms
 from swarmd.transfer.forward import (
     END_FRAME,
-    FORWARD_BUSY,
+    FORWARD_BUSY_HEADER,
     MAX_CHUNK_BYTES,
     Deliver,
     data_frame,
@@ -76,7 +76,6 @@ async def forward_reply(
     holder = rest.pop(0)
     frames: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
     task = _start(node, holder, request.path, body, frames)
-    held: list[dict[str, Any]] | None = None  # a 503 kept back while another holder may do
     response: web.StreamResponse | None = None
     first_data: float | None = None
     error: BaseException | None = None
@@ -86,24 +85,12 @@ async def forward_reply(
             if isinstance(frame, BaseException):
                 raise frame
             kind = frame["t"]
-            if kind == "head" and frame["status"] == 503 and rest:
-                held = [frame]
-                continue
-            if held is not None and kind == "data":
-                held.append(frame)
-                continue
-            if held is not None and kind == "end":
-                if _forward_busy(held):
-                    log.info("forward: %s is at its caps, trying the next", holder.peer_id[-8:])
-                    await _stop(task)
-                    holder, held = rest.pop(0), None
-                    frames = asyncio.Queue()
-                    task = _start(node, holder, request.path, body, frames)
-                    continue
-                for kept in held:  # another 503: the client gets it as it was
-                    frames.put_nowait(kept)
-                frames.put_nowait(frame)
-                held, rest = None, []
+            if kind == "head" and rest and FORWARD_BUSY_HEADER in frame["headers"]:
+                log.info("forward: %s is at its caps, trying the next", holder.peer_id[-8:])
+                await _stop(task)
+                holder = rest.pop(0)
+                frames = asyncio.Queue()  # the busy answer's rest is left behind
+                task = _start(node, holder, request.path, body, frames)
                 continue
             if kind == "head":
                 headers = dict(frame["headers"])
@@ -179,15 +166,6 @@ def _start(
 async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-
-
-def _forward_busy(frames: list[dict[str, Any]]) -> bool:
-    """Whether a held-back 503 is a holder's "at my forward caps" (`forward_busy`)."""
-    try:
-        error = json.loads(b"".join(f["data"] for f in frames[1:]))["error"]
-    except (ValueError, KeyError, TypeError):
-        return False
-    return isinstance(error, dict) and error.get("code") == FORWARD_BUSY
 
 
 async def _broken(

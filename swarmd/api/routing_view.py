@@ -23,12 +23,12 @@ class RouteHolders:
     can_route: bool  # False: nothing here could take a request for it at all
 
 
-async def route_holders(node: Node, model_id: str, ready: list[NodeRecord]) -> RouteHolders:
+def route_holders(node: Node, model_id: str, ready: list[NodeRecord]) -> RouteHolders:
     """For a model this node holds no layers of, from its ready holders' records."""
     try:
         variant = choose_variant(model_id, ready, node.model_ids)
     except ModelNotFoundError:  # served without a manifest: forwarded to a whole holder
-        return RouteHolders(None, ready, await node.forward_holder(model_id) is not None)
+        return RouteHolders(None, ready, bool(node.forward_candidates(ready)))
     chosen = [r for r in ready if r.model_hash == variant.content_id]
     return RouteHolders(variant, chosen, True)
 

@@ -46,6 +46,8 @@ MAX_CHUNK_BYTES = 1 << 20  # one data frame; the holder's writes are far smaller
 PASSED_HEADERS = frozenset({"content-type", "cache-control", "retry-after"})
 PASSED_PREFIX = "x-swarm-"
 FORWARD_BUSY = "forward_busy"  # the error code of a holder at its forward caps
+# ... also said in the head, so a requester can try another holder without the body
+FORWARD_BUSY_HEADER = "x-swarm-forward-busy"
 
 Deliver = Callable[[dict[str, Any]], None]
 """`deliver(frame)`: one response frame (head, data..., end), as it comes."""
@@ -115,6 +117,8 @@ def error_frames(
     headers = {"content-type": "application/json"}
     if retry_after_s:
         headers["retry-after"] = str(retry_after_s)
+    if code == FORWARD_BUSY:
+        headers[FORWARD_BUSY_HEADER] = "1"
     return [head_frame(status, headers), data_frame(body.encode()), END_FRAME]
 
 

@@ -411,28 +411,40 @@ def test_a_killed_stage_fails_over_to_its_standby(
 def test_a_stage_shut_down_mid_stream_hands_over_and_is_routable_once_restarted(
     swarm: Swarm, embedded_node: NodeProcess
 ) -> None:
-    """A rolling restart: the holder of 10:20 on a stream's route gets SIGTERM mid-reply.
-    It tells the coordinator it is leaving, so the stream fails over to the other holder
-    without a ban, and once it is back (same peer id) it serves while the other holder is
-    restarted in turn. On the old code the clean shutdown read as a lost stage, banned 30
-    s: the restarted holder got no requests, and 503s followed (found by a stress run)."""
-    prompt = "Write a short poem about the sea."
-    reference = Stream(embedded_node, chat_body(prompt, 60, True))
-    list(reference.events())
+    """A rolling restart: the holder of 10:20 on the first of four concurrent streams'
+    routes gets SIGTERM mid-reply. It tells the coordinator it is leaving, so its streams
+    fail over to the other holder without a ban (the others run on), and once it is back
+    (same peer id) it serves while the other holder is restarted in turn. On the old code
+    the clean shutdown read as a lost stage, banned 30 s: the restarted holder got no
+    requests, and 503s followed (found by a stress run)."""
+    prompts = [f"Write a short poem about {t}." for t in ("the sea", "trains", "owls", "rain")]
+    references = [Stream(embedded_node, chat_body(p, 60, True)) for p in prompts]
+    for reference in references:
+        list(reference.events())
     swarm.start(
         [("a", "0:10", None), ("b", "10:20", None), ("b2", "10:20", None), ("c", "20:30", None)]
     )
     swarm.wait_holders("a", 4)
     by_short = {swarm.short_id(n): n for n in ("b", "b2")}
-    stream = Stream(swarm["a"], chat_body(prompt, 60, True))
-    victim = next(by_short[s] for s in stream.headers["x-swarm-nodes"].split(",") if s in by_short)
+    streams = [Stream(swarm["a"], chat_body(p, 60, True)) for p in prompts]
+    holders = [
+        next(by_short[s] for s in st.headers["x-swarm-nodes"].split(",") if s in by_short)
+        for st in streams
+    ]
+    victim = holders[0]
     other = "b2" if victim == "b" else "b"
-    for _ in stream.events():
-        if stream.content_events == 20:
-            swarm[victim].proc.terminate()  # SIGTERM: a clean shutdown
-    assert stream.done and not stream.errors and stream.text == reference.text
-    assert stream.swarm is not None and stream.swarm["failovers"] == 1
-    assert swarm.short_id(other) in stream.swarm["nodes"]
+    first = streams[0].events()
+    while streams[0].content_events < 20:
+        next(first)
+    swarm[victim].proc.terminate()  # SIGTERM: a clean shutdown
+    with ThreadPoolExecutor(max_workers=len(streams)) as pool:
+        list(pool.map(lambda st: list(st.events()), streams))
+    for stream, reference, holder in zip(streams, references, holders, strict=True):
+        assert stream.done and not stream.errors and stream.text == reference.text
+        assert stream.swarm is not None
+        assert stream.swarm["failovers"] == (1 if holder == victim else 0)
+        assert swarm.short_id(other) in stream.swarm["nodes"]
+    prompt, reference = prompts[0], references[0]
     swarm.restart(victim)
     swarm.wait_holders("a", 4)
     swarm[other].stop()  # the other holder's turn: only the restarted one is left

@@ -4,7 +4,6 @@ while requests for it got 404; found by a stress run)."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,15 +13,15 @@ from tests.unit.test_route import MODEL, L, record
 
 
 def node(whole_holder: str | None = None) -> Any:
-    async def forward_holder(model_id: str) -> str | None:
-        return whole_holder
+    def forward_candidates(records: list[NodeRecord]) -> list[NodeRecord]:
+        return [r for r in records if r.peer_id == whole_holder]
 
-    return SimpleNamespace(held={}, model_ids=[], forward_holder=forward_holder)
+    return SimpleNamespace(held={}, model_ids=[], forward_candidates=forward_candidates)
 
 
 def routable(records: list[NodeRecord], banned: set[str], whole_holder: str | None = None) -> bool:
     held = ModelRanges(L, {r.peer_id: r.layers for r in records})
-    return asyncio.run(_routable(node(whole_holder), MODEL, held, records, banned))
+    return _routable(node(whole_holder), MODEL, held, records, banned)
 
 
 def test_a_model_without_a_manifest_in_stages_is_not_routable() -> None:
