@@ -7,11 +7,17 @@ positions past its need; beyond that the capacity doubles (never past the sessio
 `max_length`), copying once per doubling. A single allocation
 per session is returned to the OS whole when the session ends (many small per-layer
 buffers fragment the heap).
+
+Attention reads keys in whole blocks (`attention.span`), past the positions written: so
+the capacity is a whole number of blocks, and a new buffer is zeros there, never whatever
+the allocator left (a NaN times a weight of 0 would be NaN).
 """
 
 from __future__ import annotations
 
 import torch
+
+from swarmd.engine.attention import BLOCK
 
 _HEADROOM = 256  # positions reserved past the first need: most replies then never regrow
 
@@ -34,7 +40,8 @@ class KVCache:
         self._buffer = self._empty(0)
 
     def _empty(self, capacity: int) -> torch.Tensor:
-        return torch.empty(*self._dims, capacity, self._head_dim, dtype=self._dtype)
+        blocks = -(-capacity // BLOCK) * BLOCK
+        return torch.zeros(*self._dims, blocks, self._head_dim, dtype=self._dtype)
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -69,12 +76,13 @@ class KVCache:
         return other
 
     def write_and_read(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int, first: int
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, kv_heads, T, D] at positions start.. (reserved first); return
-        views of positions first..start+T, what attention reads."""
-        end = start + k.shape[2]
-        keys, values = self._buffer[layer]
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        return keys[:, :, first:end], values[:, :, first:end]
+        """Store k, v [kv_heads, T, D] of row 0 at positions start.. (reserved first);
+        return that row's whole key and value buffers [kv_heads, capacity, D], what
+        attention reads its blocks from."""
+        end = start + k.shape[1]
+        keys, values = self._buffer[layer, :, 0]
+        keys[:, start:end] = k
+        values[:, start:end] = v
+        return keys, values

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
-from swarmd.engine.attention import scaled_query
+from swarmd.engine.attention import attend_rows
 from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def _decode_layers(
     sin: list[torch.Tensor],
     caches: list[torch.Tensor],  # per row: its KV buffer [layers, 2, 1, kv, cap, D]
     starts: list[int],  # per row: the position its token takes
-    firsts: list[list[int]],  # per row, per kind: the first cached position it reads
+    firsts: list[list[int]],  # per row, per kind: the first position it sees
     mm: torch.dtype,  # the matrices' activation dtype
     act: torch.dtype,  # the residual stream's
     heads: int,
@@ -148,25 +148,30 @@ def _decode_layers(
         v = qkv[:, q_size + kv_size :].reshape(batch, 1, kv_heads, head_dim)
         # `one_query` of each row, on views built once per layer (or step): the same
         # tensors, strides and ops, with a third of the view ops of slicing per row.
-        scaled = (q.reshape(batch, kv_heads, group, head_dim) * scale).unbind(0)
+        scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
+        if group < 4:  # attention.MIN_ROWS
+            scaled = F.pad(scaled, [0, 0, 0, 4 - group])
+        scaled_rows = scaled.unbind(0)
         k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
         v_rows = v.transpose(1, 2).unbind(0)
         outs: list[torch.Tensor] = []
         for r in range(batch):
             start = starts[r]
-            first = firsts[r][kind]
+            lo = firsts[r][kind]
             keys = keys_of[r][i]
             values = values_of[r][i]
             keys.narrow(1, start, 1).copy_(k_rows[r])
             values.narrow(1, start, 1).copy_(v_rows[r])
-            length = start + 1 - first
-            outs.append(
-                scaled_query(
-                    scaled[r],
-                    keys_t_of[r][i].narrow(2, first, length),
-                    values.narrow(1, first, length),
-                )
+            first = lo // 64 * 64  # attention.span
+            width = (start + 1 - first + 63) // 64 * 64
+            got = attend_rows(
+                scaled_rows[r],
+                keys_t_of[r][i].narrow(2, first, width),
+                values.narrow(1, first, width),
+                lo - first,
+                start + 1 - first,
             )
+            outs.append(got.narrow(1, 0, group))
         attn = torch.stack(outs).view(batch, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:

@@ -8,13 +8,11 @@ own cache, with its own positions, so no row is padded to another's length.
 
 Per layer (Llama family): RMSNorm -> one fused q/k/v matmul -> (Qwen3: q/k norms) ->
 rotary from a table on q and k together -> K/V written into the session's buffer ->
-attention with grouped-query heads over the cached positions (SDPA for a chunk,
-`attention.one_query` for each one-token row: the same bits on any thread count) -> o
-matmul -> residual; RMSNorm -> one fused gate/up matmul -> SiLU(gate) * up -> down ->
-residual. Gemma 3 adds its norms after attention and MLP, (1 + w) norm weights (folded in
-at load), GeGLU, a sliding window on most layers and embeddings scaled by sqrt(hidden).
-A one-token decode step builds no mask: it attends to every cached position (or the
-window's).
+attention with grouped-query heads over the cached positions (`attention`: a position
+gets the same bits in any chunk, batch or thread count) -> o matmul -> residual;
+RMSNorm -> one fused gate/up matmul -> SiLU(gate) * up -> down -> residual. Gemma 3
+adds its norms after attention and MLP, (1 + w) norm weights (folded in at load), GeGLU,
+a sliding window on most layers and embeddings scaled by sqrt(hidden).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.engine.arch import SLIDING, ArchSpec
-from swarmd.engine.attention import one_query
+from swarmd.engine.attention import QueryGroup, chunk_queries, one_query, plan_chunk
 from swarmd.engine.kv import KVCache
 from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
@@ -150,7 +148,6 @@ class LeanStage:
         self,
         inputs: torch.Tensor,
         cache: KVCache,
-        alone: bool = False,
         all_positions: bool = False,
     ) -> torch.Tensor:
         """Run one chunk of one sequence through this stage (`forward_many` of one row).
@@ -162,7 +159,7 @@ class LeanStage:
         """
         if int(inputs.shape[0]) != 1:
             raise InternalError("forward() takes one sequence; forward_many() takes several")
-        return self.forward_many([Row(inputs, cache, alone)], all_positions)[0]
+        return self.forward_many([Row(inputs, cache)], all_positions)[0]
 
     __call__ = forward
 
@@ -177,10 +174,10 @@ class LeanStage:
         rounds one row otherwise (`linear.rows_for_one_kernel`); so a batched row is bit
         for bit the row run alone.
 
-        `alone` (per row): each position attends as a one-token step would. Attention over
-        a chunk of queries rounds differently from one query at a time (SDPA's kernels block
-        the work differently), and every other op here gives a row the same bits whatever
-        the chunk; so a chunk run `alone` is bit for bit the one-token steps it replays.
+        Attention gives each position the bits of a one-token step at that position
+        (`attention`), and every other op here gives a row the same bits whatever the
+        chunk; so however a sequence is cut into chunks (a prompt, a reply's steps, a
+        failover's replay, a reused prefix), each position ends with the same bits.
         """
         parts = [self._begin(row) for row in rows]
         offset = 0
@@ -207,7 +204,7 @@ class LeanStage:
                 [decodes[kind][1] for kind in self._kinds],
                 [p.cache.buffer for p in parts],
                 [p.start for p in parts],
-                [[p.step.masks(kind)[0] for kind in self._kinds] for p in parts],
+                [[p.step.window_of(kind, p.start)[0] for kind in self._kinds] for p in parts],
             )
         else:
             for index, block in enumerate(self.blocks):
@@ -259,7 +256,6 @@ class LeanStage:
             start,
             count,
             _Step(self.spec, self.ropes, start, count),
-            row.alone,
         )
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -356,11 +352,9 @@ class LeanStage:
         q, k, v = self._rotated_qkv(block, rows, batch, 1, cos, sin, fused, q_all, k_all, v_all)
         outs = []
         for i, part in enumerate(parts):
-            first, _ = part.step.masks(block.kind)
-            keys, values = part.cache.write_and_read(
-                index, k[i : i + 1], v[i : i + 1], part.start, first
-            )
-            outs.append(one_query(q[i : i + 1], keys, values, spec.attn_scale))
+            keys, values = part.cache.write_and_read(index, k[i], v[i], part.start)
+            seen = part.step.window_of(block.kind, part.start)
+            outs.append(one_query(q[i, :, 0], keys, values, *seen, spec.attn_scale))
         return torch.cat(outs).view(batch, heads * head_dim)
 
     def _attend(
@@ -375,40 +369,18 @@ class LeanStage:
     ) -> torch.Tensor:
         """One row's attention over its own cache: [T, heads * D]."""
         spec = self.spec
-        heads, kv_heads, head_dim = spec.heads, spec.kv_heads, spec.head_dim
+        heads, head_dim = spec.heads, spec.head_dim
         lo, count, step = part.offset, part.count, part.step
         cos, sin = step.rope[block.kind]
         rows = slice(lo, lo + count)
         q, k, v = self._rotated_qkv(block, rows, 1, count, cos, sin, fused, q_all, k_all, v_all)
-        first, mask = step.masks(block.kind)
-        keys, values = part.cache.write_and_read(index, k, v, step.start, first)  # [1, kv, L, D]
+        keys, values = part.cache.write_and_read(index, k[0], v[0], step.start)
         if count == 1:
-            attn = one_query(q, keys, values, spec.attn_scale)
-        elif part.alone:
-            outs = []
-            for t in range(count):  # as the one-token step at position start + t attended
-                a, b = step.window_of(block.kind, step.start + t)
-                outs.append(
-                    one_query(
-                        q[:, :, t : t + 1],
-                        keys[:, :, a - first : b - first],
-                        values[:, :, a - first : b - first],
-                        spec.attn_scale,
-                    )
-                )
-            attn = torch.cat(outs, dim=2)  # [1, heads, T, D]
-        else:
-            gqa = heads != kv_heads
-            attn = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=spec.attn_scale,
-                enable_gqa=gqa,
-            )  # [1, heads, T, D]
-        return attn.transpose(1, 2).reshape(count, heads * head_dim)
+            seen = step.window_of(block.kind, step.start)
+            return one_query(q[0, :, 0], keys, values, *seen, spec.attn_scale).view(1, -1)
+        plan = step.plan(block.kind)
+        attn = chunk_queries(q[0].transpose(0, 1), keys, values, plan, spec.attn_scale)
+        return attn.reshape(count, heads * head_dim)
 
 
 @dataclass
@@ -420,7 +392,6 @@ class _Part:
     start: int  # its first position
     count: int
     step: _Step
-    alone: bool
     offset: int = 0  # its first row in [M, H]
 
 
@@ -430,57 +401,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Step:
-    """What every layer of one forward shares: the rotary rows and attention masks."""
+    """What every layer of one row's forward shares: the rotary rows and attention plans."""
 
     def __init__(self, spec: ArchSpec, ropes: dict[str, RopeTable], start: int, count: int) -> None:
         self.start = start
+        self.count = count
         self.rope = {}
         for kind, table in ropes.items():
             table.ensure(start + count)
             self.rope[kind] = table.rows(start, count)
-        self._masks = _Masks(spec, start, count)
-        self.masks = self._masks.for_kind
         self._window = spec.sliding_window
+        self._group = spec.heads // spec.kv_heads
+        self._plans: dict[str, list[QueryGroup]] = {}
+
+    def plan(self, kind: str) -> list[QueryGroup]:
+        """How the chunk attends on layers of `kind` (`attention.plan_chunk`), built once
+        for all of them."""
+        plan = self._plans.get(kind)
+        if plan is None:
+            windows = [self.window_of(kind, self.start + t) for t in range(self.count)]
+            plan = self._plans[kind] = plan_chunk(windows, self._group)
+        return plan
 
     def window_of(self, kind: str, position: int) -> tuple[int, int]:
         """[first, end) of the cached positions a one-token step at `position` reads."""
         if kind == SLIDING and self._window is not None:
             return max(0, position + 1 - self._window), position + 1
         return 0, position + 1
-
-
-class _Masks:
-    """The attention masks one forward needs, built once per layer kind.
-
-    A one-token step needs none: its query may see every cached position (a sliding
-    layer only reads the window's). A chunk starting at position 0 of a full-attention
-    layer uses SDPA's own causal mask.
-    """
-
-    def __init__(self, spec: ArchSpec, start: int, count: int) -> None:
-        self.window = spec.sliding_window
-        self.start = start
-        self.count = count
-        self._built: dict[str, tuple[int, torch.Tensor | None]] = {}
-
-    def for_kind(self, kind: str) -> tuple[int, torch.Tensor | None]:
-        """(first cached position to read, mask or None) for a layer of `kind`."""
-        built = self._built.get(kind)
-        if built is None:
-            built = self._built[kind] = self._build(kind)
-        return built
-
-    def _build(self, kind: str) -> tuple[int, torch.Tensor | None]:
-        end = self.start + self.count
-        window = self.window if kind == SLIDING else None
-        first = 0 if window is None else max(0, end - self.count - window + 1)
-        if self.count == 1:
-            return first, None
-        if window is None and self.start == 0:
-            return 0, None  # is_causal
-        q_pos = torch.arange(self.start, end)[:, None]  # [T, 1]
-        k_pos = torch.arange(first, end)[None, :]  # [1, L]
-        allowed = k_pos <= q_pos
-        if window is not None:
-            allowed &= k_pos > q_pos - window  # transformers' sliding rule: q - k < window
-        return first, allowed

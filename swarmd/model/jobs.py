@@ -34,7 +34,6 @@ class StepJob:
     session_id: str
     inputs: torch.Tensor  # [1, T] ids (first stage) or [1, T, H] hidden states
     want_token: bool
-    alone: bool = False  # attend each position as a one-token step would (replays)
 
 
 @dataclass(frozen=True)

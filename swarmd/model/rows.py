@@ -10,11 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class Row:
-    """[1, T] token ids (first stage) or [1, T, H] hidden states, with that sequence's cache.
-
-    `alone`: each position attends as a one-token step would (exact failover replays).
-    """
+    """[1, T] token ids (first stage) or [1, T, H] hidden states, with that sequence's cache."""
 
     inputs: torch.Tensor
     cache: Any
-    alone: bool = False

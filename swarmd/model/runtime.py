@@ -48,9 +48,7 @@ class Stage(Protocol):
 
     def view(self, layers: LayerRange) -> Stage: ...
 
-    def __call__(self, inputs: torch.Tensor, cache: Any, alone: bool = False) -> torch.Tensor:
-        """`alone`: attend each position of the chunk as a one-token step would."""
-        ...
+    def __call__(self, inputs: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
     def forward_many(self, rows: list[Row]) -> list[torch.Tensor]:
         """A chunk of each of several sequences; one output per row, as `__call__` gives."""
@@ -104,7 +102,6 @@ class StepRequest:
     session_id: str
     inputs: torch.Tensor  # [1, T] ids (first stage) or [1, T, H] hidden states
     want_token: bool
-    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,14 +291,9 @@ class StageRuntime:
         self.prefix_reused_tokens += length
         return length, kept.cache
 
-    def step(
-        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
-    ) -> StepResult:
-        """Run one chunk: inputs [1, T] ids (first stage) or [1, T, H] hidden states.
-
-        `alone`: each position attends as a one-token step would (a replay of reply
-        tokens after a failover gets the very numbers their decode steps had)."""
-        outcome = self.step_many([StepRequest(session_id, inputs, want_token, alone)])[0]
+    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> StepResult:
+        """Run one chunk: inputs [1, T] ids (first stage) or [1, T, H] hidden states."""
+        outcome = self.step_many([StepRequest(session_id, inputs, want_token)])[0]
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
@@ -363,7 +355,7 @@ class StageRuntime:
     ) -> list[tuple[int, StepResult]]:
         module = group[0][1].module
         started = time.perf_counter()
-        outs = module.forward_many([Row(req.inputs, s.cache, req.alone) for _, s, req in group])
+        outs = module.forward_many([Row(req.inputs, s.cache) for _, s, req in group])
         sampled: list[tuple[int, torch.Tensor, Sampled | None]] = []
         for (i, session, req), out in zip(group, outs, strict=True):
             session.length += int(req.inputs.shape[1])  # the cache holds them now

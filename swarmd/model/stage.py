@@ -108,14 +108,11 @@ class StageModule(nn.Module):
         return sub.eval()
 
     @torch.inference_mode()
-    def forward(
-        self, inputs: torch.Tensor, cache: DynamicCache, alone: bool = False
-    ) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """Run this stage's layers over one chunk of one sequence.
 
-        `alone` is the engine's (each position attended as a one-token step would); the
-        float32 modules' chunked and stepwise results agree to about 1e-7 and take it
-        as a chunk.
+        Unlike the engine's, a position's bits here depend on how the sequence was cut
+        into chunks: the float32 modules' chunked and stepwise results agree to about 1e-7.
 
         inputs: [1, T] token ids on the first stage, else [1, T, H] hidden states.
         Returns [1, T, H] hidden states, or on the last stage [1, V] float32 logits of the
@@ -155,7 +152,7 @@ class StageModule(nn.Module):
         """One sequence at a time: this backend is the exact reference, and float32
         matmuls over several rows round differently from one row's (measured), so it
         does not batch."""
-        return [self(row.inputs, row.cache, row.alone) for row in rows]
+        return [self(row.inputs, row.cache) for row in rows]
 
 
 _MASK_BUILDERS = {

@@ -299,7 +299,7 @@ class TorchWorker:
         for t in tickets:
             job = t.job
             assert isinstance(job, StepJob)
-            requests.append(StepRequest(job.session_id, job.inputs, job.want_token, job.alone))
+            requests.append(StepRequest(job.session_id, job.inputs, job.want_token))
         outcomes: list[Any]
         try:
             outcomes = self.runtime.step_many(requests)

@@ -654,8 +654,9 @@ def replay_steps(steps: list[list[int]], chunk: int) -> list[tuple[list[int], bo
     """How a failover feeds a new route what the lost one took, so that every stage
     recomputes bit for bit what the lost route computed: each step of several tokens (a
     prompt chunk) as it was, and each run of one-token steps (the reply) in chunks of
-    `chunk` attended `alone`, as those steps attended. One long prefill would round
-    attention differently, and under bfloat16 kernels that can change a later greedy token.
+    `chunk` marked `alone`. A stage since 0.5 gives a position the same bits in any chunk,
+    so for it the cut does not matter; one before 0.5 rounds a chunk's attention otherwise
+    than one-token steps unless the chunk is marked `alone`.
     """
     out: list[tuple[list[int], bool]] = []
     run: list[int] = []

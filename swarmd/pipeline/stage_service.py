@@ -446,7 +446,7 @@ class StageService:
                 return
             try:
                 result = await stage.run(
-                    StepJob(req.sid, step.inputs, step.want, step.alone), self.timeouts.step_s
+                    StepJob(req.sid, step.inputs, step.want), self.timeouts.step_s
                 )
             except SwarmError as exc:  # this stage's own failure (timeout, context, bug)
                 failed = wire.fail_frame(self.peer_id, f"step failed: {exc}", "lost")

@@ -166,7 +166,10 @@ class Step:
     inputs: torch.Tensor  # [1, T] ids on the first stage, else [1, T, H]
     stage_ms: tuple[float, ...]
     activation_bytes: int
-    alone: bool = False  # attend each position as a one-token step would
+    # Stages before 0.5 attend a chunk marked `alone` as one-token steps (a failover's
+    # replay of a reply); since 0.5 every chunk attends so. Still sent and passed on for
+    # older stages on a route.
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -400,8 +403,9 @@ def step_frame(
     alone: bool = False,
 ) -> dict[str, Any]:
     """inputs: token ids (to the first stage: a list, or a [1, T] tensor) or [1, T, H]
-    hidden states. `alone`: attend each position as a one-token step would (a failover's
-    replay of a reply). Ids as a list need no torch (a coordinator's ring sends them)."""
+    hidden states. `alone`: for stages before 0.5, attend each position as a one-token step
+    would (a failover's replay of a reply; see `Step`). Ids as a list need no torch (a
+    coordinator's ring sends them)."""
     common = {"t": "step", "n": n, "want": want, "alone": alone, "ms": stage_ms}
     if isinstance(inputs, list):
         return _build(STEP_IDS, **common, ab=activation_bytes, ids=ints_to_bytes(inputs))

@@ -350,6 +350,46 @@ def test_a_second_turn_reuses_the_first_turns_cache(
     assert f"cached_tokens={cached}" in embedded_node.log_text()
 
 
+def test_second_turns_reused_at_once_equal_a_fresh_nodes_greedy_and_seeded(
+    embedded_node: NodeProcess, small_budget_node: NodeProcess
+) -> None:
+    """Eight conversations, half greedy, half seeded: their second turns run at once on the
+    node that holds their first turns, each reusing its cache, and every reply is the one
+    a node that never saw turn 1 gives. The reused reply positions were decoded one token
+    at a time, the fresh node prefills them as a chunk: before attention gave a position
+    the same bits in any chunk, about half of such replies parted (bench/prefix_reuse.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    topics = ["a harbour at dawn", "a beekeeper", "an old clock", "a desert road",
+              "a violin", "a garden in winter", "a lighthouse", "a market"]  # fmt: skip
+
+    def body(i: int, messages: list[dict[str, str]]) -> dict[str, Any]:
+        sampled = {"temperature": 0.9, "seed": 7 + i} if i % 2 else {"temperature": 0}
+        return {"model": "smollm2-135m-instruct", "max_tokens": 48, "messages": messages,
+                **sampled}  # fmt: skip
+
+    def ask(node: NodeProcess, payload: dict[str, Any]) -> dict[str, Any]:
+        status, reply, _ = http_json(f"{node.url}/v1/chat/completions", payload, timeout_s=300)
+        assert status == 200, reply
+        return reply
+
+    firsts = [[{"role": "user", "content": f"Describe {t} in two sentences."}] for t in topics]
+    with ThreadPoolExecutor(len(topics)) as pool:
+        turn1 = list(pool.map(lambda i: ask(embedded_node, body(i, firsts[i])), range(8)))
+        seconds = [
+            body(i, [*firsts[i], {"role": "assistant", "content": r["choices"][0]["message"]
+                     ["content"]}, {"role": "user", "content": "Now tell it to a child."}])
+            for i, r in enumerate(turn1)
+        ]  # fmt: skip
+        turn2 = list(pool.map(lambda b: ask(embedded_node, b), seconds))
+    for first, second, payload in zip(turn1, turn2, seconds, strict=True):
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
+        fresh = ask(small_budget_node, payload)
+        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["choices"][0]["message"] == fresh["choices"][0]["message"]
+
+
 def test_next_turns_through_two_stages_reuse_every_stages_cache(
     two_stages: Swarm, embedded_node: NodeProcess
 ) -> None:
@@ -363,9 +403,10 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
 
     node = two_stages["a"]
     url = f"{node.url}/v1/chat/completions"
-    # Two conversations of ~140 tokens: both fit the stages' prefix caches (an eighth
-    # of their 3,000-token budgets: 375) at once.
-    head = LONG_PROMPT[: LONG_PROMPT.index("Line 5:")]
+    # Two conversations of ~125 tokens: both fit the stages' prefix caches (an eighth
+    # of their 3,000-token budgets: 375) at once, each holding its cache's capacity in
+    # whole blocks of 64 positions (128).
+    head = LONG_PROMPT[: LONG_PROMPT.index("Line 4:")]
     firsts = [{**chat_body(f"{head} Number {i}.", 12), "stream": False} for i in (3, 8)]
 
     def ask(body: dict[str, Any]) -> dict[str, Any]:

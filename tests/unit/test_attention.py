@@ -1,5 +1,7 @@
-"""A decode step's attention, and so its whole forward, gives the same bits whatever
-`--torch-threads`: what lets nodes with other core counts serve one reply exactly."""
+"""A position's attention, and so its whole forward, gives the same bits whatever
+`--torch-threads` and however its sequence was cut into chunks: what lets nodes with
+other core counts serve one reply exactly, a standby replay it, and a second turn reuse
+the first's cache."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.engine.arch import arch_spec
-from swarmd.engine.attention import one_query
+from swarmd.engine.attention import BLOCK, chunk_queries, one_query, plan_chunk
 from swarmd.engine.load import load_lean_stage
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
@@ -29,36 +31,70 @@ def restore_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (8, 8, 32)])
-@pytest.mark.parametrize("length", [1, 5, 17, 100, 300])
+SHAPES = [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 256), (16, 2, 64)]  # heads, kv, D
+
+
+def _cache(kv_heads: int, length: int, head_dim: int, seed: int) -> torch.Tensor:
+    """[kv, capacity, D]: `length` random positions, then zeros to whole blocks (a
+    KVCache's buffer)."""
+    generator = torch.Generator().manual_seed(seed)
+    capacity = -(-length // BLOCK) * BLOCK
+    buffer = torch.zeros(kv_heads, capacity, head_dim)
+    buffer[:, :length] = torch.randn(kv_heads, length, head_dim, generator=generator)
+    return buffer
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize(("lo", "hi"), [(0, 1), (0, 5), (0, 64), (0, 65), (0, 300), (37, 300)])
 def test_one_query_is_sdpas_attention(
-    heads: int, kv_heads: int, head_dim: int, length: int
+    heads: int, kv_heads: int, head_dim: int, lo: int, hi: int
 ) -> None:
-    """The same attention as SDPA with grouped-query heads (to float32 rounding): query
-    head h reads kv head h // (heads / kv_heads)."""
-    generator = torch.Generator().manual_seed(length)
-    q = torch.randn(1, heads, 1, head_dim, generator=generator)
-    keys = torch.randn(1, kv_heads, length, head_dim, generator=generator)
-    values = torch.randn(1, kv_heads, length, head_dim, generator=generator)
+    """The same attention as SDPA with grouped-query heads over positions [lo, hi) (to
+    float32 rounding): query head h reads kv head h // (heads / kv_heads)."""
+    generator = torch.Generator().manual_seed(hi)
+    q = torch.randn(heads, head_dim, generator=generator)
+    keys, values = _cache(kv_heads, hi, head_dim, 1), _cache(kv_heads, hi, head_dim, 2)
     scale = head_dim**-0.5
     expected = F.scaled_dot_product_attention(
-        q, keys, values, scale=scale, enable_gqa=heads != kv_heads
-    )
-    torch.testing.assert_close(one_query(q, keys, values, scale), expected)
+        q[None, :, None],
+        keys[None, :, lo:hi],
+        values[None, :, lo:hi],
+        scale=scale,
+        enable_gqa=heads != kv_heads,
+    )[0, :, 0]
+    torch.testing.assert_close(one_query(q, keys, values, lo, hi, scale), expected)
 
 
 @pytest.mark.usefixtures("restore_threads")
-@pytest.mark.parametrize("length", [1, 16, 33, 257, 1000, 4100])
-def test_one_query_gives_the_same_bits_on_any_thread_count(length: int) -> None:
-    generator = torch.Generator().manual_seed(length)
-    q = torch.randn(1, 9, 1, 64, generator=generator)
-    keys = torch.randn(1, 3, length, 64, generator=generator)
-    values = torch.randn(1, 3, length, 64, generator=generator)
-    outs = []
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), SHAPES)
+@pytest.mark.parametrize(("start", "count", "window"), [
+    (0, 1, None), (0, 7, None), (0, 300, None), (63, 2, None), (100, 129, None),
+    (1000, 200, None), (0, 300, 100), (450, 90, 128), (3, 61, 6),
+])  # fmt: skip
+def test_a_chunk_gives_each_position_the_bits_of_its_one_token_step(
+    heads: int, kv_heads: int, head_dim: int, start: int, count: int, window: int | None
+) -> None:
+    """What makes a position's bits independent of how its sequence was cut into chunks
+    (prompt, steps, replays, reused prefixes): `chunk_queries` over any chunk equals
+    `one_query` at each of its positions, with or without a sliding window, with 1, 2 and
+    3 torch threads, bit for bit."""
+    end = start + count
+    generator = torch.Generator().manual_seed(end)
+    q = torch.randn(count, heads, head_dim, generator=generator)
+    keys, values = _cache(kv_heads, end, head_dim, 1), _cache(kv_heads, end, head_dim, 2)
+
+    def seen(position: int) -> tuple[int, int]:
+        return (0 if window is None else max(0, position + 1 - window)), position + 1
+
+    windows = [seen(start + t) for t in range(count)]
+    runs = []
     for threads in THREADS:
         torch.set_num_threads(threads)
-        outs.append(one_query(q, keys, values, 0.125))
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
+        chunk = chunk_queries(q, keys, values, plan_chunk(windows, heads // kv_heads), 0.125)
+        steps = [one_query(q[t], keys, values, *windows[t], 0.125) for t in range(count)]
+        assert torch.equal(chunk, torch.stack(steps))
+        runs.append(chunk)
+    assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 
 @pytest.mark.usefixtures("restore_threads")

@@ -168,31 +168,43 @@ def test_an_architecture_the_engine_does_not_run_is_refused() -> None:
         )
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+# Ways to feed the same 150 tokens: chunk sizes in order.
+CUTS = {
+    "one chunk": [150],
+    "a prompt, then one-token steps": [5] + [1] * 145,
+    "uneven chunks across the 64-position blocks": [3, 61, 1, 1, 64, 7, 13],
+    "steps, then a chunk": [1] * 70 + [80],
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
 @pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
-def test_a_chunk_run_alone_is_bit_for_bit_its_one_token_steps(
+def test_any_cut_of_a_sequence_leaves_the_same_bits(
     family: str, weights: str, tmp_path: Path
 ) -> None:
-    """What a failover's replay relies on: the reply's tokens fed again as one chunk,
-    attended `alone`, leave the cache and the logits exactly as their decode steps did.
-    The int4, int8 and bfloat16 matrices give a row the same bits in any batch; torch's
-    float32 GEMM does not (it blocks by row count): there, equal to float32 rounding."""
+    """What a failover's replay and a reused prefix rely on: a sequence fed as one chunk,
+    as a prompt and one-token steps, or in uneven chunks leaves the same cache and the same
+    last logits. The int4, int8 and bfloat16 matrices give a row the same bits in any
+    batch; torch's float32 GEMM does not (it blocks by row count): there, equal to float32
+    rounding. Sliding windows of 6 (mistral, gemma3) are crossed many times."""
     path, _ = make_tiny(family, tmp_path)
     stage = lean(path, weights=weights)
-    ids = prompt(16, seed=11)  # past the sliding window of 6
-    stepped, replayed = stage.new_cache(16), stage.new_cache(16)
-    stage(ids[:, :5], stepped)
-    for t in range(5, 16):
-        expected = stage(ids[:, t : t + 1], stepped)
-    stage(ids[:, :5], replayed)
-    got = stage(ids[:, 5:16], replayed, alone=True)
-    cached, reference = replayed._buffer[..., :16, :], stepped._buffer[..., :16, :]
-    if weights == "fp32":
-        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
-        torch.testing.assert_close(cached, reference, rtol=0, atol=ATOL)
-    else:
-        assert torch.equal(got, expected)
-        assert torch.equal(cached, reference)
+    ids = prompt(150, seed=11)
+    runs = []
+    for sizes in CUTS.values():
+        cache, at = stage.new_cache(150), 0
+        for size in sizes:
+            logits = stage(ids[:, at : at + size], cache)
+            at += size
+        runs.append((logits, cache.buffer[..., :150, :]))
+    (expected, reference), *others = runs
+    for got, cached in others:
+        if weights == "fp32":
+            torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+            torch.testing.assert_close(cached, reference, rtol=0, atol=ATOL)
+        else:
+            assert torch.equal(got, expected)
+            assert torch.equal(cached, reference)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -331,13 +343,14 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
     assert len(turn2) - 3 >= MIN_PREFIX_TOKENS
     assert runtime.open("t3", 128, greedy, prompt=turn2[:-3] + other) == 0
     # The least recently finished conversation goes first once the cap is passed.
-    small = StageRuntime(stage, max_sessions=4, prefix_tokens=50)  # each holds 32
+    # Each holds 64: its capacity, a whole block of positions (engine/kv.py).
+    small = StageRuntime(stage, max_sessions=4, prefix_tokens=100)
     for i in range(3):
         ids = prompt(20, seed=30 + i)[0].tolist()
         small.open(f"c{i}", 32, greedy, prompt=ids)
         small.step(f"c{i}", torch.tensor([ids]), True)
         small.close(f"c{i}")
-    assert small.prefix_held_tokens <= 50 and list(small._prefixes) == ["c2"]
+    assert small.prefix_held_tokens == 64 and list(small._prefixes) == ["c2"]
 
 
 def test_the_same_prompt_again_is_not_served_from_the_cache(tmp_path: Path) -> None:

@@ -46,9 +46,7 @@ class FakeRuntime:
         self.calls.append(("open", session_id, threading.current_thread().name))
         return 0
 
-    def step(
-        self, session_id: str, inputs: torch.Tensor, want_token: bool, alone: bool = False
-    ) -> Any:
+    def step(self, session_id: str, inputs: torch.Tensor, want_token: bool) -> Any:
         self.calls.append(("step", session_id, threading.current_thread().name))
         if session_id == "typed":
             raise ModelLoadError("bad weights")
@@ -64,7 +62,7 @@ class FakeRuntime:
         outcomes: list[Any] = []
         for r in requests:
             try:
-                outcomes.append(self.step(r.session_id, r.inputs, r.want_token, r.alone))
+                outcomes.append(self.step(r.session_id, r.inputs, r.want_token))
             except SwarmError as exc:
                 outcomes.append(exc)
         return outcomes
