@@ -28,6 +28,7 @@ from swarmd.engine.kv import KVCache
 from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
 from swarmd.engine.scripted import DecodeLoop
+from swarmd.engine.ties import settle_near_ties
 from swarmd.errors import InternalError, ModelLoadError
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
@@ -234,7 +235,9 @@ class LeanStage:
 
     def _logits(self, rows: torch.Tensor) -> torch.Tensor:
         assert self.head is not None and self.norm is not None
-        logits = self.head(self._rms(rows, self.norm).to(self.dtype)).float()
+        normed = self._rms(rows, self.norm)
+        logits = self.head(normed.to(self.dtype)).float()
+        settle_near_ties(logits, normed, self.head)
         cap = self.spec.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
