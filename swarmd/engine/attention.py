@@ -45,15 +45,10 @@ def span(lo: int, hi: int) -> tuple[int, int]:
     return first, -(-(hi - first) // BLOCK) * BLOCK
 
 
-def padded_rows(rows: int) -> int:
-    """The rows a query block is computed with (see the module docstring)."""
-    return max(rows, MIN_ROWS)
-
-
 def attend_rows(
     scaled: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, lo: int, hi: int
 ) -> torch.Tensor:
-    """One query's attention: scaled q [kv, R, D] (R = `padded_rows`), keys transposed
+    """One query's attention: scaled q [kv, R, D] (R >= MIN_ROWS), keys transposed
     [kv, D, width] and values [kv, width, D] from the query's `span`, its visible keys
     [lo, hi) counted from that span's first; returns [kv, R, D]."""
     scores = torch.bmm(scaled, keys_t)  # [kv, R, width]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
-from swarmd.engine.attention import attend_rows
+from swarmd.engine.attention import BLOCK, MIN_ROWS, attend_rows
 from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DENSE, _INT8, _INT4 = 0, 1, 2  # `_matmul` spells them as literals: TorchScript reads no globals
+if (BLOCK, MIN_ROWS) != (64, 4):  # `_decode_layers` spells them as literals too
+    raise ImportError("scripted.py's attention literals differ from attention.py's")
 _NONE = torch.empty(0)  # "absent" for an optional tensor (a real one is never empty)
 
 # One matrix: (kind, weight or values or packed, scale (empty for dense), bias or _NONE,
