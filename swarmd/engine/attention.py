@@ -62,10 +62,10 @@ def attend_rows(
 
 
 def scaled_heads(q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor:
-    """q [B, heads, D] -> scaled [B, kv, R, D]: each KV head's query heads, padded."""
-    batch, heads, head_dim = q.shape
+    """q [heads, D] -> scaled [kv, R, D]: each KV head's query heads, padded to R rows."""
+    heads, head_dim = q.shape
     group = heads // kv_heads
-    scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
+    scaled = q.reshape(kv_heads, group, head_dim) * scale
     if group < MIN_ROWS:
         scaled = F.pad(scaled, (0, 0, 0, MIN_ROWS - group))
     return scaled
@@ -85,7 +85,7 @@ def one_query(
     heads, head_dim = q.shape
     kv_heads = keys.shape[0]
     first, width = span(lo, hi)
-    scaled = scaled_heads(q.unsqueeze(0), kv_heads, scale)[0]
+    scaled = scaled_heads(q, kv_heads, scale)
     out = attend_rows(
         scaled,
         keys.narrow(1, first, width).transpose(1, 2),

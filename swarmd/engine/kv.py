@@ -39,9 +39,17 @@ class KVCache:
         self._dtype = dtype
         self._buffer = self._empty(0)
 
-    def _empty(self, capacity: int) -> torch.Tensor:
+    def _empty(
+        self, capacity: int, keep: torch.Tensor | None = None, length: int = 0
+    ) -> torch.Tensor:
+        """A buffer of `capacity` positions rounded up to whole blocks: the first `length`
+        copied from `keep`, zeros after them."""
         blocks = -(-capacity // BLOCK) * BLOCK
-        return torch.zeros(*self._dims, blocks, self._head_dim, dtype=self._dtype)
+        out = torch.empty(*self._dims, blocks, self._head_dim, dtype=self._dtype)
+        if keep is not None and length:
+            out[..., :length, :].copy_(keep[..., :length, :])
+        out[..., length:, :].zero_()
+        return out
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -58,9 +66,7 @@ class KVCache:
             return
         size = max(total + _HEADROOM, self.capacity * 2)
         size = min(size, max(self.max_length, total))
-        new = self._empty(size)
-        new[..., : self.length, :].copy_(self._buffer[..., : self.length, :])
-        self._buffer = new
+        self._buffer = self._empty(size, self._buffer, self.length)
 
     def fork(self, length: int, max_length: int) -> KVCache:
         """A new cache holding a copy of this one's first `length` positions (another
@@ -71,8 +77,8 @@ class KVCache:
         other.max_length = max_length
         other.length = length
         other._dims, other._head_dim, other._dtype = self._dims, self._head_dim, self._dtype
-        other._buffer = self._empty(min(max(length + _HEADROOM, 1), max(max_length, length)))
-        other._buffer[..., :length, :].copy_(self._buffer[..., :length, :])
+        capacity = min(max(length + _HEADROOM, 1), max(max_length, length))
+        other._buffer = self._empty(capacity, self._buffer, length)
         return other
 
     def write_and_read(
