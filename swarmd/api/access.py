@@ -102,7 +102,10 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if request.method == "OPTIONS":  # a CORS preflight from a configured site
         response: web.StreamResponse = web.Response(status=204)
         response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
-        response.headers["Access-Control-Allow-Headers"] = "authorization, content-type"
+        # What the page's client asks to send: the openai SDK adds its x-stainless-* headers,
+        # others their own. The origin is trusted; the token still decides what it may do.
+        asked = request.headers.get("Access-Control-Request-Headers", "")
+        response.headers["Access-Control-Allow-Headers"] = asked or "authorization, content-type"
         response.headers["Access-Control-Max-Age"] = str(CORS_MAX_AGE_S)
     else:
         response = await handler(request)

@@ -81,7 +81,7 @@ class _Reply:
         pairs: Pairs = (),
         index: int = 0,
     ) -> dict[str, Any]:
-        logprobs = self._logprobs(pairs)
+        logprobs = self._logprobs(pairs, index)
         if self.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
@@ -100,15 +100,15 @@ class _Reply:
         return {
             "index": index,
             "message": message,
-            "logprobs": self._logprobs(pairs),
+            "logprobs": self._logprobs(pairs, index),
             "finish_reason": finish,
         }
 
-    def _logprobs(self, pairs: Pairs) -> dict[str, Any] | None:
+    def _logprobs(self, pairs: Pairs, index: int) -> dict[str, Any] | None:
         """OpenAI sends null where no logprobs were asked for, and on chunks with no token."""
         if self.logprobs is None or not pairs:
             return None
-        return self.logprobs.format(pairs)
+        return self.logprobs.format(pairs, index)
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -213,10 +213,14 @@ def _sampling(
     default_temperature: float,
     grammar: GrammarSpec | None = None,
 ) -> SamplingParams:
+    top_p = 1.0 if req.top_p is None else req.top_p
+    top_k = max(0, req.top_k or 0)
+    if top_p == 0.0:  # the likeliest token alone (schemas.TopP)
+        top_p, top_k = 1.0, 1
     return SamplingParams(
         temperature=default_temperature if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=max(0, req.top_k or 0),
+        top_p=top_p,
+        top_k=top_k,
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
@@ -420,7 +424,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         model=model.model_id,
         created=int(time.time()),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
-        return_token_ids=req.return_token_ids,
+        return_token_ids=bool(req.return_token_ids),
         logprobs=(
             None if req.wants_logprobs() is None else LogprobsWriter(kind, model.codec.token_bytes)
         ),

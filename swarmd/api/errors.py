@@ -91,7 +91,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             elif exc.status == 405:
                 message = f"Method {request.method} is not allowed on {request.path}"
         body = error_body(message, _HTTP_TYPES.get(exc.status, "invalid_request_error"), None, code)
-        return web.json_response(body, status=exc.status)
+        # a 405 names the methods the path takes (RFC 9110 requires it)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response(body, status=exc.status, headers=allow)
     except SwarmError as exc:
         return error_response(exc)
     except Exception as exc:

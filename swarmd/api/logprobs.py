@@ -11,7 +11,7 @@ Completions (the legacy shape)::
     "text_offset": [...]}
 
 A streamed reply gets the same objects per chunk, for the tokens that chunk's text
-completes; `text_offset` keeps counting across chunks.
+completes; `text_offset` keeps counting across chunks, each choice its own text.
 """
 
 from __future__ import annotations
@@ -31,17 +31,21 @@ class LogprobsWriter:
     def __init__(self, kind: Literal["chat", "text"], token_bytes: TokenBytes) -> None:
         self._kind = kind
         self._bytes = token_bytes
-        self._offset = 0  # characters of the reply before the next token (completions)
+        # per choice: characters of its text before its next token (completions)
+        self._offsets: dict[int, int] = {}
 
-    def format(self, pairs: Pairs) -> dict[str, Any]:
+    def format(self, pairs: Pairs, index: int = 0) -> dict[str, Any]:
+        """The logprobs of choice `index`'s next tokens."""
         if self._kind == "chat":
             return {"content": [self._chat_entry(t, lp) for t, lp in pairs], "refusal": None}
         tokens, offsets = [], []
+        offset = self._offsets.get(index, 0)
         for token, _ in pairs:
             text = self._bytes.text(token)
             tokens.append(text)
-            offsets.append(self._offset)
-            self._offset += len(text)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for _, lp in pairs],

@@ -31,7 +31,9 @@ def _number(bound: bounds.NumberBound) -> Any:
 
 
 Temperature = _number(bounds.TEMPERATURE)
-TopP = _number(bounds.TOP_P)
+# OpenAI's top_p range is [0, 1]; 0 keeps only the likeliest token, which travels as top_k 1
+# (`completions._sampling`): the wire's top_p stays above 0, as every stage takes it.
+TopP = Annotated[float, Field(ge=0.0, le=bounds.TOP_P.hi)]
 MinP = _number(bounds.MIN_P)
 PresencePenalty = _number(bounds.PRESENCE_PENALTY)
 FrequencyPenalty = _number(bounds.FREQUENCY_PENALTY)
@@ -46,6 +48,11 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
 
+    @property
+    def said(self) -> object:
+        """The part's text: `text`, or an assistant's `refusal` part's `refusal`."""
+        return (self.model_extra or {}).get("refusal") if self.type == "refusal" else self.text
+
 
 class Message(BaseModel):
     model_config = _STRICT
@@ -55,12 +62,20 @@ class Message(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant; checked by tool_calls.py
     tool_call_id: str | None = None  # tool
+    # An assistant turn as OpenAI returns it (`message.model_dump()` sent back as history)
+    # carries these; a refusal is what the assistant said, the rest say nothing here.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
 
     def openai(self) -> dict[str, Any]:
         """The turn as an OpenAI-shaped dict (text parts joined), for the tools renderer."""
         turn: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
-            "content": None if self.content is None else self.to_chat().content,
+            "content": None
+            if self.content is None and not self.refusal
+            else self.to_chat().content,
         }
         if self.tool_calls is not None:
             turn["tool_calls"] = self.tool_calls
@@ -73,11 +88,6 @@ class Message(BaseModel):
         return self.role == "tool" or bool(self.tool_calls)
 
     def check_supported(self, index: int) -> None:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise InvalidRequestError(
-                f"Missing required parameter: 'messages[{index}].content'",
-                f"messages[{index}].content",
-            )
         if self.tool_calls is not None and self.role != "assistant":
             raise InvalidRequestError(
                 "Only assistant messages carry tool_calls", f"messages[{index}].tool_calls"
@@ -87,23 +97,43 @@ class Message(BaseModel):
                 "A tool message needs its tool_call_id, and only a tool message has one",
                 f"messages[{index}].tool_call_id",
             )
+        if self.role != "assistant" and self.refusal is not None:
+            raise InvalidRequestError(
+                "Only assistant messages carry a refusal", f"messages[{index}].refusal"
+            )
+        if self.audio is not None:
+            raise UnsupportedError("Audio is not supported", f"messages[{index}].audio")
+        if self.function_call is not None:
+            raise UnsupportedError(
+                "'function_call' is the deprecated form; use tool_calls",
+                f"messages[{index}].function_call",
+            )
+        said = self.tool_calls or self.refusal is not None
+        if self.content is None and not (self.role == "assistant" and said):
+            raise InvalidRequestError(
+                f"Missing required parameter: 'messages[{index}].content'",
+                f"messages[{index}].content",
+            )
         for j, part in enumerate(self.content if isinstance(self.content, list) else []):
             where = f"messages[{index}].content[{j}]"
-            if part.type != "text":
+            field = "refusal" if part.type == "refusal" and self.role == "assistant" else "text"
+            if part.type != field:
                 raise UnsupportedError(
                     f"Content parts of type '{part.type}' are not supported; only 'text'",
                     f"{where}.type",
                 )
-            if part.text is None:
-                raise InvalidRequestError(f"Missing required parameter: '{where}.text'", where)
+            if not isinstance(part.said, str):
+                raise InvalidRequestError(
+                    f"Missing required parameter: '{where}.{field}'", f"{where}.{field}"
+                )
 
     def to_chat(self) -> ChatMessage:
         if self.content is None:
-            text = ""
+            text = self.refusal or ""
         elif isinstance(self.content, str):
             text = self.content
         else:
-            text = "".join(p.text or "" for p in self.content)
+            text = "".join(p.said or "" for p in self.content)
         # Chat templates know no "developer" role; it is OpenAI's new name for system.
         return ChatMessage("system" if self.role == "developer" else self.role, text)
 
@@ -147,7 +177,8 @@ Metadata = Annotated[
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
-    include_usage: bool = False
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted: no chunk is padded here
 
 
 class SamplingFields(BaseModel):
@@ -177,12 +208,16 @@ class SamplingFields(BaseModel):
         None
     )
     user: str | None = None  # accepted; a node keeps no per-user state
-    # Accepted and without effect here: nothing is stored, there are no tiers.
+    safety_identifier: str | None = None  # `user`'s successor: the same
+    # Accepted and without effect here: nothing is stored, there are no tiers, and prefix
+    # reuse finds a conversation by its tokens, not by a key.
     store: bool | None = None
     metadata: Metadata | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     n: Annotated[int, Field(ge=1, le=bounds.N_MAX)] | None = None  # choices to draw
-    return_token_ids: bool = False  # vLLM's extension: token ids in the reply
+    return_token_ids: bool | None = None  # vLLM's extension: token ids in the reply
 
     @property
     def choices(self) -> int:
@@ -221,7 +256,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     # The template's thinking switch where it has one (Qwen3's enable_thinking).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, without effect
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
     # Checked by swarmd.model.tool_prompt (exact parameter paths in its errors).
     tools: list[Any] | None = None
@@ -295,7 +333,7 @@ class CompletionRequest(SamplingFields):
             Field(min_length=1),
         ]
     )
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
     logprobs: TopLogprobs | None = None  # the legacy form: how many top logprobs

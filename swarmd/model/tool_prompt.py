@@ -300,6 +300,8 @@ def _history_calls(raw: object, at: str) -> list[dict[str, Any]]:
         if not isinstance(function.get("name"), str):
             raise _invalid(f"{here}.function.name", "expected a string")
         arguments = function.get("arguments")
+        if isinstance(arguments, str) and not arguments.strip():
+            arguments = "{}"  # a call made without arguments, as some clients record it
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else None
         except (ValueError, RecursionError):

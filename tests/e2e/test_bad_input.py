@@ -309,6 +309,7 @@ def test_unknown_path_and_wrong_method(embedded_node: NodeProcess) -> None:
     except urllib.error.HTTPError as exc:
         assert exc.code == 405
         assert json.loads(exc.read())["error"]["message"].startswith("Method GET")
+        assert "POST" in exc.headers["Allow"]  # a 405 names what the path takes
     else:
         pytest.fail("GET on a POST endpoint was accepted")
 

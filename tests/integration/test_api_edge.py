@@ -188,6 +188,18 @@ async def test_pages_of_other_origins_are_refused(make_node: NodeFactory) -> Non
             assert preflight.status == 204
             assert preflight.headers["Access-Control-Allow-Origin"] == allowed["Origin"]
             assert "authorization" in preflight.headers["Access-Control-Allow-Headers"]
+        # a browser client that sends its own headers (the openai SDK's x-stainless-*)
+        asked = "authorization, content-type, x-stainless-lang, x-stainless-retry-count"
+        async with http.options(
+            node.api_url + CHAT,
+            headers={
+                **allowed,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": asked,
+            },
+        ) as preflight:
+            assert preflight.status == 204
+            assert preflight.headers["Access-Control-Allow-Headers"] == asked
         async with http.post(
             node.api_url + CHAT, json=body(max_tokens=1), headers=allowed
         ) as response:

@@ -116,9 +116,10 @@ def test_a_sampling_number_just_outside_its_bound_is_a_400_here_and_refused_ther
                 "messages": [{"role": "user", "content": "x"}],
                 bound.name: outside,
             }
-            with pytest.raises(InvalidRequestError) as api:
-                validate(ChatCompletionRequest, body)
-            assert api.value.param == bound.name
+            if (bound, outside) != (bounds.TOP_P, 0.0):  # the API's own reading: below
+                with pytest.raises(InvalidRequestError) as api:
+                    validate(ChatCompletionRequest, body)
+                assert api.value.param == bound.name
             frame = wire.open_frame(
                 open_request(
                     "r.1", ROUTE, [], COORD, (), SETTINGS, 30, _sampling_of(bound.name, outside), ()
@@ -127,6 +128,16 @@ def test_a_sampling_number_just_outside_its_bound_is_a_400_here_and_refused_ther
             with pytest.raises(RequestRefusedError) as stage:
                 wire.parse_open(through_the_wire(frame), LIMITS)
             assert (stage.value.param, stage.value.status) == (bound.name, 400)
+
+
+@pytest.mark.parametrize("top_k", [None, 0, 5])
+def test_top_p_0_keeps_the_likeliest_token_and_travels_as_top_k_1(top_k: int | None) -> None:
+    # OpenAI's range is [0, 1]; the wire's top_p stays above 0, so 0 travels as top_k 1
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}
+    if top_k is not None:
+        body["top_k"] = top_k
+    parsed = stage_reads(body).sampling
+    assert (parsed.top_p, parsed.top_k) == (1.0, 1)
 
 
 def _sampling_of(name: str, value: float) -> SamplingParams:

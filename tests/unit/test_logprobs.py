@@ -89,6 +89,15 @@ def test_the_completions_shape_counts_offsets_across_chunks() -> None:
     assert second["text_offset"] == [2] and second["tokens"] == ["llo"]
 
 
+def test_each_choice_counts_its_own_text_offsets() -> None:
+    writer = LogprobsWriter("text", Bytes())  # type: ignore[arg-type]
+    # two choices streamed interleaved: each counts from the start of its own text
+    assert writer.format(LP[:1], 0)["text_offset"] == [0]
+    assert writer.format(LP, 1)["text_offset"] == [0, 2]
+    assert writer.format(LP[1:], 0)["text_offset"] == [2]
+    assert writer.format(LP[:1], 1)["text_offset"] == [5]
+
+
 def test_the_embedded_models_tokens_rebuild_any_text(smollm_dir: Path) -> None:
     tok = Tokenizer.from_file(str(smollm_dir / "tokenizer.json"))
     tb = TokenBytes(tok)

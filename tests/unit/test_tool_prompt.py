@@ -3,6 +3,7 @@ request checks of `tools` and `tool_choice`."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -344,3 +345,11 @@ def test_a_bad_tool_choice_is_a_400_naming_it(choice: object, names: set[str]) -
     with pytest.raises(InvalidRequestError) as caught:
         tp.check_tool_choice(choice, names)
     assert caught.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_a_call_recorded_with_no_arguments_is_a_call_with_none(empty: str) -> None:
+    history = copy.deepcopy(HISTORY)
+    history[1]["tool_calls"][1]["function"]["arguments"] = empty
+    prompt = tp.render_tools_prompt(QWEN_LIKE, history, TOOLS, "hermes")
+    assert prompt.messages[1]["tool_calls"][1]["function"]["arguments"] == {}
