@@ -251,12 +251,10 @@ class _Tools:
 
     fmt: ToolCallFormat
     names: frozenset[str]
-    grammar: GrammarSpec | None  # tool_choice required or named: only calls can come out
-
-    @property
-    def certain(self) -> bool:
-        """Only calls can come out, so a call's arguments stream as they are written."""
-        return self.grammar is not None
+    # tool_choice required or named: only calls can come out; auto with a JSON
+    # response_format: calls, or JSON of that format
+    grammar: GrammarSpec | None
+    certain: bool  # only calls can come out: a call's arguments stream as they are written
 
 
 def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int], _Tools | None]:
@@ -267,11 +265,6 @@ def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int],
     functions = check_tools(req.tools) if req.tools is not None else []
     names = [f.name for f in functions]
     mode, named = check_tool_choice(req.tool_choice, names)
-    if mode != "none" and req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError(
-            "response_format cannot be combined with tools unless tool_choice is 'none'",
-            "response_format",
-        )
     family = detect_family(codec.chat_template)
     variables = req.template_variables(template)
     prompt = render_tools_prompt(
@@ -287,10 +280,14 @@ def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int],
     parallel = req.parallel_tool_calls is not False and named is None
     fmt = tool_call_format(family, functions, parallel)
     grammar = None
-    if mode == "required":
+    answer = req.grammar()  # a JSON response_format: what a reply that calls nothing is
+    if mode == "required":  # only calls: the format would shape an answer that cannot come
         chosen = [f for f in functions if named is None or f.name == named]
         grammar = GrammarSpec.tool_calls(tool_call_format(family, chosen, parallel))
-    return ids, _Tools(fmt, frozenset(names), grammar)
+    elif answer is not None:
+        schema = answer.source if answer.kind == "json_schema" else '{"type":"object"}'
+        grammar = GrammarSpec.tool_calls(replace(fmt, answer=schema))
+    return ids, _Tools(fmt, frozenset(names), grammar, certain=mode == "required")
 
 
 def _text_prompts(req: CompletionRequest, model: Routed) -> list[list[int]]:
@@ -375,7 +372,10 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             prompts = await asyncio.to_thread(_text_prompts, req, model)
             prompt_ids = prompts[0]
             param = "prompt"
-        grammar = tools.grammar if tools is not None and tools.grammar else req.grammar()
+        answer = req.grammar()
+        grammar = tools.grammar if tools is not None and tools.grammar else answer
+        if answer is not None and grammar is not answer:  # its own faults name response_format
+            await asyncio.to_thread(model.check_grammar, answer)
         if grammar is not None:  # a 400 here, before any stage is asked to compile it
             await asyncio.to_thread(model.check_grammar, grammar)
         sampling = _sampling(req, model, request.app[keys.DEFAULT_TEMPERATURE], grammar)

@@ -31,6 +31,7 @@ strict mode requires: a small model offered free keys invents them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -87,6 +88,17 @@ class GrammarSpec:
 
     kind: GrammarKind
     source: str = ""
+
+    @functools.cached_property
+    def has_answer(self) -> bool:
+        """A tool-call format whose reply may be an answer instead (`ToolCallFormat.answer`)."""
+        if self.kind != "tool_calls":
+            return False
+        try:
+            data = json.loads(self.source)
+        except ValueError:
+            return False
+        return isinstance(data, dict) and bool(data.get("answer"))
 
     @property
     def param(self) -> str:
@@ -145,6 +157,10 @@ class ToolCallFormat:
     name_key: str = "name"
     arguments_key: str = "arguments"
     parallel: bool = True  # several calls may follow each other (else exactly one)
+    # The JSON text of a schema the whole reply may match instead of calls: tools offered
+    # with a JSON `response_format` ("" = calls only). Sent only when set, so a format
+    # without it is what stages before 0.5.1 read.
+    answer: str = ""
 
     @classmethod
     def hermes(cls, functions: Iterable[ToolFunction], parallel: bool = True) -> ToolCallFormat:
@@ -171,6 +187,7 @@ class ToolCallFormat:
             "functions": [{"name": f.name, "parameters": f.parameters} for f in self.functions],
             **{k: getattr(self, k) for k in _FORMAT_TEXTS},
             "parallel": self.parallel,
+            **({"answer": self.answer} if self.answer else {}),
         }
         return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
@@ -180,7 +197,7 @@ class ToolCallFormat:
         data = _json_value(text, "tools")
         if not isinstance(data, dict):
             raise _refusal("tools", "the tool call format is not a JSON object")
-        unknown = set(data) - {"functions", "parallel", *_FORMAT_TEXTS}
+        unknown = set(data) - {"functions", "parallel", "answer", *_FORMAT_TEXTS}
         if unknown:
             raise _refusal("tools", f"unknown keys in the tool call format: {sorted(unknown)}")
         raw = data.get("functions")
@@ -203,7 +220,12 @@ class ToolCallFormat:
         parallel = data.get("parallel", True)
         if not isinstance(parallel, bool):
             raise _refusal("tools", "'parallel' must be true or false")
-        return cls(functions, parallel=parallel, **texts)
+        answer = data.get("answer", "")
+        if not isinstance(answer, str) or (
+            answer and not isinstance(_json_value(answer, "response_format"), dict)
+        ):
+            raise _refusal("response_format", "the answer's schema is not a JSON object")
+        return cls(functions, parallel=parallel, answer=answer, **texts)
 
 
 _FORMAT_TEXTS = ("prefix", "begin", "end", "separator", "suffix", "name_key", "arguments_key")
@@ -369,7 +391,8 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 
 def _tool_calls_lark(fmt: ToolCallFormat) -> str:
     """A Lark grammar: `prefix call (separator call)* suffix`, one `%json` per function
-    (each function's schema stays the root of its own `%json`, so its `$ref`s resolve)."""
+    (each function's schema stays the root of its own `%json`, so its `$ref`s resolve);
+    with an `answer`, that or one JSON value of the answer's schema."""
     rules = []
     for i, function in enumerate(fmt.functions):
         head = (
@@ -379,13 +402,26 @@ def _tool_calls_lark(fmt: ToolCallFormat) -> str:
         tail = f"}}{fmt.end}"
         schema = function.parameters or {"type": "object", "properties": {}}
         args = json.dumps(_laid_out(_closed(schema)), ensure_ascii=False)
-        rules.append(f"call_{i}: {_lit(head)} args_{i} {_lit(tail)}")
+        opening = _lit(head)
+        if fmt.answer and not fmt.begin:
+            # A bare call ("{" first: Llama 3, Mistral) beside an answer, which is JSON too:
+            # the call's head goes in the pieces the JSON grammar lexes ("{", a key, ": ",
+            # a value, ", "). The lexer extends the longest literal it can, so one long
+            # literal would shut out an answer that starts the same way.
+            pieces = ["{", json.dumps(fmt.name_key), _SEPARATORS[1], json.dumps(function.name)]
+            pieces += [_SEPARATORS[0], json.dumps(fmt.arguments_key), _SEPARATORS[1]]
+            opening = " ".join(_lit(p) for p in pieces)
+        rules.append(f"call_{i}: {opening} args_{i} {_lit(tail)}")
         rules.append(f"args_{i}: %json {args}")
     calls = " | ".join(f"call_{i}" for i in range(len(fmt.functions)))
     more = f" ({_lit(fmt.separator)} call)*" if fmt.parallel else ""
+    if fmt.answer:
+        answer = json.dumps(_laid_out(_closed(json.loads(fmt.answer))), ensure_ascii=False)
+        rules += ["start: calls | answer", f"answer: %json {answer}"]
+    head = "calls" if fmt.answer else "start"
     return "\n".join(
         [
-            f"start: {_lit(fmt.prefix)} call{more} {_lit(fmt.suffix)}",
+            f"{head}: {_lit(fmt.prefix)} call{more} {_lit(fmt.suffix)}",
             f"call: {calls}",
             *rules,
         ]

@@ -333,6 +333,10 @@ def ints_to_bytes(values: list[int] | tuple[int, ...]) -> bytes:
 SAMPLING_KEYS_SINCE: dict[str, tuple[int, ...]] = {"top_logprobs": (0, 2), "grammar": (0, 2)}
 # The first swarmd whose stages read `keep` and `resume` (and whose `ret` says `reused`).
 RESUME_SINCE = (0, 4)
+# The first whose stages take a tool-call grammar with an `answer` (tools beside a JSON
+# response_format); an older one refuses that format (a 400, nobody banned), so such a
+# request is routed past it.
+ANSWER_SINCE = (0, 5, 1)
 
 
 def reads_resume(version: str) -> bool:
@@ -359,6 +363,8 @@ def reads_sampling(version: str, sampling: SamplingParams) -> bool:
         if value is not None
     ]
     have = version_tuple(version)
+    if sampling.grammar is not None and sampling.grammar.has_answer and have < ANSWER_SINCE:
+        return False
     return all(have >= SAMPLING_KEYS_SINCE[key] for key in present)
 
 

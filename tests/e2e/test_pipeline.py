@@ -273,12 +273,14 @@ def test_eight_streams_through_three_stages_each_equal_their_reply_alone(
 def test_structured_replies_at_once_through_three_stages_equal_their_single_node_reply(
     three_stages: Swarm, embedded_node: NodeProcess
 ) -> None:
-    """Four sessions at once, each its own grammar (or logprobs) on the last stage."""
+    """Five sessions at once, each its own grammar (or logprobs) on the last stage: one
+    offers a tool beside a JSON response_format (calls, or an answer in the format)."""
     bodies = [
         {**chat_body(f"Describe a sea creature number {i}.", 40), **SEEDED_JSON, "seed": i}
         for i in range(3)
     ]
     bodies.append({**chat_body("Name a fish.", 12), "logprobs": True, "top_logprobs": 3})
+    bodies.append({**chat_body("Weather in Paris?", 40), **SEEDED_JSON, "tools": [FORECAST_TOOL]})
     expected = [complete(embedded_node, body)[0] for body in bodies]
     with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
         got = list(pool.map(lambda b: complete(three_stages["b"], b)[0], bodies))
@@ -289,6 +291,8 @@ def test_structured_replies_at_once_through_three_stages_equal_their_single_node
         assert reply["choices"][0]["message"]["content"].startswith('{"title": "')
     content = got[3]["choices"][0]["logprobs"]["content"]
     assert content and all(len(e["top_logprobs"]) == 3 for e in content)
+    message = got[4]["choices"][0]["message"]
+    assert message.get("tool_calls") or message["content"].startswith('{"title": "')
 
 
 def test_n_choices_through_three_stages_equal_the_single_nodes(
@@ -369,6 +373,19 @@ SEEDED_JSON: dict[str, Any] = {
                 },
                 "required": ["title", "lines"],
             },
+        },
+    },
+}
+
+
+FORECAST_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
         },
     },
 }

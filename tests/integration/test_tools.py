@@ -3,6 +3,7 @@ random model: what it calls, and with what, is the constraint's doing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -122,6 +123,67 @@ async def test_a_streamed_call_accumulates_to_the_whole_ones_arguments(
     assert pieces > 1
 
 
+FORECAST = {
+    "type": "object",
+    "properties": {
+        "summary": {"type": "string", "maxLength": 20},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["summary", "days"],
+}
+FORMATS: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    (
+        {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}},
+        FORECAST,
+    ),
+    ({"type": "json_object"}, {"type": "object"}),
+]
+
+
+@pytest.mark.parametrize(("response_format", "schema"), FORMATS)
+async def test_auto_with_a_json_format_calls_or_answers_in_that_format(
+    api: openai.AsyncOpenAI, response_format: dict[str, Any], schema: dict[str, Any]
+) -> None:
+    """Tools and a JSON response_format together (the Agents SDK and Vercel's AI SDK send
+    both): every reply is calls whose arguments validate, or content that validates
+    against the format; eight at once, each the reply it gets alone."""
+
+    async def one(seed: int) -> tuple[str | None, list[tuple[str, str]]]:
+        reply = await api.chat.completions.create(
+            **ask(response_format=response_format, temperature=1.0, seed=seed, max_tokens=120)
+        )
+        choice = reply.choices[0]
+        calls = choice.message.tool_calls or []
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        if calls:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content or ""), schema)
+        else:  # cut by max_tokens: what there is is the start of the format's JSON
+            assert choice.finish_reason == "length"
+            assert (choice.message.content or "").lstrip().startswith("{")
+        return choice.message.content, [(c.function.name, c.function.arguments) for c in calls]
+
+    together = await asyncio.gather(*(one(seed) for seed in range(8)))
+    assert [await one(seed) for seed in (0, 5)] == [together[0], together[5]]
+    assert any(calls for _, calls in together) or any(text for text, _ in together)
+
+
+async def test_required_with_a_json_format_only_calls(api: openai.AsyncOpenAI) -> None:
+    reply = await api.chat.completions.create(
+        **ask(
+            tool_choice="required",
+            parallel_tool_calls=False,
+            response_format={"type": "json_object"},
+            seed=2,
+        )
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS[calls[0].function.name])
+
+
 async def test_none_never_calls(api: openai.AsyncOpenAI) -> None:
     for seed in range(3):
         reply = await api.chat.completions.create(
@@ -142,7 +204,15 @@ async def test_none_never_calls(api: openai.AsyncOpenAI) -> None:
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1].function.name"),
         (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "answer",
+                        "schema": {"type": "string", "pattern": "(("},
+                    },
+                }
+            },
             "response_format",
         ),
         (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +321,67 @@ def test_hermes_text_is_exact(vocab: Vocabulary, codec: TextCodec) -> None:
 def test_tool_calls_round_trip_their_format() -> None:
     fmt = FORMATS["mistral"]
     assert ToolCallFormat.from_json(fmt.to_json()) == fmt
+
+
+# "name" is a call's first key too: a bare call (Llama 3) and this answer start alike
+ANSWER = obj({"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}})
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_calls_or_an_answer_of_the_format(name: str, vocab: Vocabulary, codec: TextCodec) -> None:
+    """Tools with a JSON response_format: the reply is calls, or one JSON value of the
+    answer's schema, nothing else; both can start the reply."""
+    fmt = replace(FORMATS[name], answer=json.dumps(ANSWER))
+    spec = GrammarSpec.tool_calls(fmt)
+    first = Constraint(compile_grammar(spec, vocab)).allowed()
+    starts = {codec.decode([i])[:1] for i in torch.nonzero(first).flatten().tolist()}
+    assert "{" in starts and (fmt.prefix or fmt.begin or "{")[0] in starts
+    kinds = set()
+    for seed in range(8):
+        constraint = Constraint(compile_grammar(spec, vocab))
+        text = codec.decode(
+            generate(constraint, seed, bias=structure_bias(codec, vocab.logits_width))
+        )
+        assert constraint.finished or constraint.accepting, text
+        try:
+            calls = parse_calls(text, fmt)
+            assert all(list(call) == [fmt.name_key, fmt.arguments_key] for call in calls)
+        except (AssertionError, ValueError):
+            jsonschema.validate(json.loads(text), ANSWER)  # not calls: then the answer
+            kinds.add("answer")
+            continue
+        functions = {f.name: f.parameters for f in fmt.functions}
+        for call in calls:
+            schema = functions[call[fmt.name_key]] or {"type": "object", "maxProperties": 0}
+            jsonschema.validate(call[fmt.arguments_key], schema)
+        kinds.add("calls")
+    assert kinds  # which one the noise picks is its business; both are taken below:
+    call = '{"name": "get_time", "arguments": {"zone": "UTC+1"}}'.replace(
+        '"arguments"', json.dumps(fmt.arguments_key)
+    )
+    for text in (
+        f"{fmt.prefix}{fmt.begin}{call}{fmt.end}{fmt.suffix}",
+        '{"name": "get_timer", "ok": true}',
+    ):
+        constraint = Constraint(compile_grammar(spec, vocab))
+        for token in codec.encode(text):
+            assert constraint.allowed()[token], text
+            constraint.accept(token)
+        assert constraint.accepting, text
+
+
+def test_the_answer_travels_only_when_there_is_one() -> None:
+    plain = FORMATS["hermes"]
+    assert "answer" not in json.loads(plain.to_json())  # what stages before 0.5.1 read
+    with_answer = replace(plain, answer=json.dumps(ANSWER))
+    assert ToolCallFormat.from_json(with_answer.to_json()) == with_answer
+
+
+def test_an_answer_that_is_no_schema_is_a_400_naming_response_format(vocab: Vocabulary) -> None:
+    source = json.dumps({"functions": [{"name": "f"}], "answer": '["no"]'})
+    with pytest.raises(InvalidRequestError) as caught:
+        compile_grammar(GrammarSpec("tool_calls", source), vocab)
+    assert caught.value.param == "response_format"
 
 
 @pytest.mark.parametrize("name", ["nested", "array_of_objects", "pattern", "any_of_ref"])

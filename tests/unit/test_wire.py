@@ -10,13 +10,15 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
+from swarmd import __version__
 from swarmd.errors import MalformedFrameError, RequestRefusedError, StageRefusedError
-from swarmd.model.grammar import MAX_GRAMMAR_BYTES, GrammarSpec
+from swarmd.model.grammar import MAX_GRAMMAR_BYTES, GrammarSpec, ToolCallFormat, ToolFunction
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import IMPOSSIBLE, SamplingParams, TokenLogprobs
 from swarmd.net.frames import FRAME_HEADER_BYTES, FrameDecoder, encode_frame
@@ -1085,3 +1087,17 @@ def test_a_request_with_new_sampling_keys_needs_a_stage_that_reads_them() -> Non
     full = open_frame(make_request())["sampling"]  # every optional key set
     bare = open_frame(make_request(sampling=plain))["sampling"]
     assert set(full) - set(bare) == set(stage_wire.SAMPLING_KEYS_SINCE)
+
+
+def test_tools_beside_a_json_format_need_a_stage_that_takes_an_answer() -> None:
+    # An older stage refuses that format with a 400: the request is routed past it.
+    fmt = ToolCallFormat.hermes([ToolFunction("f")])
+    calls = SamplingParams(grammar=GrammarSpec.tool_calls(fmt))
+    either = SamplingParams(
+        grammar=GrammarSpec.tool_calls(replace(fmt, answer='{"type":"object"}'))
+    )
+    assert not calls.grammar.has_answer and either.grammar.has_answer  # type: ignore[union-attr]
+    assert stage_wire.reads_sampling("0.5.0", calls)
+    assert not stage_wire.reads_sampling("0.5.0", either)
+    assert stage_wire.reads_sampling("0.5.1", either)
+    assert stage_wire.reads_sampling(__version__, either)
