@@ -32,7 +32,7 @@ from swarmd.dht.records import NodeRecord
 from swarmd.dht.view import HoldersView
 from swarmd.errors import ConfigError, InternalError, PeerError, SwarmError
 from swarmd.net.auth import SwarmKey
-from swarmd.net.dialback import DialBackService, Verdict, judge
+from swarmd.net.dialback import COOLDOWN_S, DialBackService, Verdict, judge
 from swarmd.net.gate import SwarmGate
 from swarmd.net.host import P2PHost, check_peer_addr, open_host
 from swarmd.net.identity import Identity
@@ -54,7 +54,9 @@ JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met 
 RELAY_CHECK_S = 2.0  # how often a node without inbound connections checks its relay slot
 RESERVE_TIMEOUT_S = 10.0  # one reservation on a relay
 REACHABILITY_RECHECK_S = 600.0  # how often a verdict on this node's reachability is checked
-REACHABILITY_RETRY_S = 30.0  # ... and how soon after no peer could answer
+# ... and how soon after no peer could answer: past a peer's one question a minute
+# (dialback.COOLDOWN_S), or a peer that took the last one refuses the retry as too early
+REACHABILITY_RETRY_S = COOLDOWN_S + 5.0
 REACHABILITY_ASK = 3  # peers asked to dial this node back at once
 
 

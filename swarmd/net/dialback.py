@@ -44,6 +44,7 @@ from swarmd.net.rpc import RpcService, call
 from swarmd.net.safe_text import safe_text
 
 __all__ = [
+    "COOLDOWN_S",
     "DIAL_BACK_METHOD",
     "DialBackService",
     "Verdict",
@@ -62,6 +63,8 @@ DIAL_TIMEOUT_S = 5.0  # one dial, TCP and Noise; a NAT drops the SYN: this is th
 CALL_TIMEOUT_S = DIAL_TIMEOUT_S + 5.0
 COOLDOWN_S = 60.0  # one question per caller in this long
 MAX_AT_ONCE = 4  # questions answered at once (each makes up to MAX_ADDRS dials)
+_PROTECT_TAG = "swarmd-dial-back"  # the asked peers' connections are not trimmed meanwhile
+_SETTLE_S = 5.0  # the longest a dial-back's own connection takes to go, after the answer
 
 
 def direct_tcp(addr: str) -> tuple[str, int] | None:
@@ -217,9 +220,29 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
         except SwarmError as exc:  # RemoteError, RpcTimeoutError, a malformed answer
             failures.append(f"{peer_id[-8:]}: {safe_text(exc, 200)}")
 
-    async with trio.open_nursery() as nursery:
-        for peer_id in peers:
-            nursery.start_soon(ask, peer_id)
+    # The dial-back arrives here as a second connection from each asked peer. libp2p
+    # keeps one connection a peer (host.py) and trims the surplus, never one younger than
+    # its grace period: it closed the old one, with every session and stream on it (the
+    # stages were lost and banned at a swarm's first re-check, ten minutes in). While
+    # asked, the peers are protected from trimming; the dial-back's connection closes by
+    # itself once its handshake is done.
+    network = host.libp2p.get_network()
+    protected = [ID.from_base58(p) for p in peers]
+    for peer in protected:
+        network.protect(peer, _PROTECT_TAG)
+    try:
+        async with trio.open_nursery() as nursery:
+            for peer_id in peers:
+                nursery.start_soon(ask, peer_id)
+        # The answer can come before this side has registered the dial-back's connection
+        # (and trimmed): the protection stays until no asked peer has a surplus one.
+        for _ in range(int(_SETTLE_S / 0.05)):
+            await trio.sleep(0.05)
+            if all(len(network.connections.get(p, ())) <= 1 for p in protected):
+                break
+    finally:
+        for peer in protected:
+            network.unprotect(peer, _PROTECT_TAG)
     dialed = [a for a in answers if a["tried"] > 0]
     reached = tuple(sorted({addr for a in dialed for addr in a["reached"]}))
     if reached:

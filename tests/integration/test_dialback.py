@@ -6,12 +6,14 @@ not pass for the caller's, and a caller that asks too often is refused, not bann
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from swarmd.errors import RemoteError
 from swarmd.net.dialback import DialBackService, call_dial_back, direct_tcp, judge
@@ -142,5 +144,33 @@ def test_a_peer_that_cannot_answer_leaves_the_verdict_unknown() -> None:
             await b.host.connect(old.addrs[0])
             verdict = await judge(b.host, [old.peer_id], b.host.direct)
             assert verdict.reachability == "unknown" and "dial_back" in verdict.detail
+
+    run(test)
+
+
+def test_a_check_leaves_the_connection_it_was_asked_on_open() -> None:
+    """The dial-back arrives as an inbound connection from the asked peer. With one
+    connection a peer allowed, libp2p trimmed the older one once it was past its grace
+    period: every session on it died, and the stages were banned (a swarm ten minutes
+    old, at its first re-check). The asked peers are protected while asked."""
+
+    async def test() -> None:
+        async with peer() as a, peer() as b:
+            await b.host.connect(a.host.addrs[0])
+            networks = [h.libp2p.get_network() for h in (a.host, b.host)]
+            before = networks[1].connections[ID.from_base58(a.host.peer_id)][0]
+            for network in networks:  # as if connected for long: past the grace period
+                for conns in network.connections.values():
+                    for conn in conns:
+                        conn._created_at = time.time() - 3600
+            for _ in range(2):  # and again, once the peer's cooldown allows
+                verdict = await judge(b.host, [a.host.peer_id], b.host.direct)
+                assert verdict.reachability == "public"
+                a.service._last.clear()
+            after = networks[1].connections[ID.from_base58(a.host.peer_id)]
+            assert after == [before] and not before.is_closed
+            # the RPC path still works over it
+            verdict = await judge(b.host, [a.host.peer_id], b.host.direct)
+            assert verdict.reachability == "public"
 
     run(test)
