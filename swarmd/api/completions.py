@@ -64,6 +64,7 @@ class _Reply:
     return_token_ids: bool
     logprobs: LogprobsWriter | None  # when the request asked for logprobs
     tools: _Tools | None = None  # when the reply may call tools
+    forwarded: bool = False  # a peer's forwarded request: its client sees route "forwarded"
 
     @property
     def object_name(self) -> str:
@@ -152,11 +153,13 @@ def _route_headers(gen: Generation, request_id: str, full_timing: bool) -> dict[
     }
 
 
-def _swarm_summary(gen: Generation) -> dict[str, Any]:
+def _swarm_summary(gen: Generation, forwarded: bool = False) -> dict[str, Any]:
+    """The reply's `swarm` object. A forwarded request's reply reaches its client through
+    the node it asked, whose `x-swarm-route` says "forwarded": so does this."""
     hops = gen.chain.hops
     t = gen.timing
     return {
-        "route": route_kind(gen.chain),
+        "route": "forwarded" if forwarded else route_kind(gen.chain),
         "nodes": [hop.short_id for hop in hops],
         "segments": [
             {"node": hop.short_id, "layers": [hop.layers.start, hop.layers.end], "ms": _ms(s)}
@@ -429,6 +432,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             None if req.wants_logprobs() is None else LogprobsWriter(kind, model.codec.token_bytes)
         ),
         tools=tools,
+        forwarded=is_forwarded(request, request.app[keys.NODE].forwards.secret),
     )
     gen_requests = choice_requests(gen_prompts, req.choices)
     if req.stream:
@@ -480,9 +484,9 @@ async def _whole(
     done = await run_all([partial(one, i) for i in range(choices.n)])
     gens = [gen for gen, _ in done]
     first = gens[0]
-    summary = _swarm_summary(first)
+    summary = _swarm_summary(first, reply.forwarded)
     if len(gens) > 1:
-        summary["choices"] = [_swarm_summary(gen) for gen in gens]
+        summary["choices"] = [_swarm_summary(gen, reply.forwarded) for gen in gens]
     body: dict[str, Any] = {
         "id": reply.reply_id,
         "object": reply.object_name,
@@ -567,7 +571,9 @@ async def _stream(
     try:
         gens = await run_all([partial(one, i) for i in range(choices.n)])
         if reply.include_usage:
-            await sink.write(reply.chunk([], usage=_usage(gens), swarm=_swarm_summary(gens[0])))
+            await sink.write(
+                reply.chunk([], usage=_usage(gens), swarm=_swarm_summary(gens[0], reply.forwarded))
+            )
         await sink.write(sse("[DONE]"))
     except (ClientDisconnectedError, ConnectionResetError):
         pass  # nobody is left to answer; the DIAG line has recorded it
@@ -660,4 +666,4 @@ async def _write_events(sink: _Sink, gen: Generation, reply: _Reply, index: int)
     if reply.include_usage:
         await sink.write(reply.chunk([finish]))
     else:
-        await sink.write(reply.chunk([finish], swarm=_swarm_summary(gen)))
+        await sink.write(reply.chunk([finish], swarm=_swarm_summary(gen, reply.forwarded)))

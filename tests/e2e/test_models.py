@@ -211,6 +211,8 @@ def stream_text(node: NodeProcess, model: str) -> tuple[str, dict[str, str]]:
             assert "error" not in event, event
             for choice in event.get("choices", []):
                 parts.append(choice["delta"].get("content") or "")
+            if "swarm" in event:  # the final chunk's route, as the chat page shows it
+                headers["swarm-route"] = event["swarm"]["route"]
     return "".join(parts), headers
 
 
@@ -231,9 +233,11 @@ def test_a_model_served_without_a_manifest_is_forwarded_to_its_holder(
         assert headers["x-swarm-route"] == "forwarded"
         assert headers["x-swarm-nodes"] == a.health()["peer_id"][-8:]  # type: ignore[index]
         assert reply["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert reply["swarm"]["route"] == "forwarded"  # as the header says
+    assert want["swarm"]["route"] == "local"  # asked of the holder itself
     text, headers = stream_text(b, own_model)
     assert headers["content-type"].startswith("text/event-stream")
-    assert headers["x-swarm-route"] == "forwarded"
+    assert headers["x-swarm-route"] == headers["swarm-route"] == "forwarded"
     assert text == want["choices"][0]["message"]["content"]
     assert "route=forwarded" in b.log_text()
     # What only the holder can check (its model's context) is refused as it says it,
