@@ -264,6 +264,8 @@ class PeerError(SwarmError):
 class DialError(PeerError):
     """Cannot connect to a peer, or open a stream to it on a protocol."""
 
+    code = "dial_failed"
+
 
 class DialTimeoutError(DialError):
     """Connecting, or opening a stream, ran past its timeout."""

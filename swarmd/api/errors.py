@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -38,6 +39,16 @@ def _redacted(exc: BaseException) -> str:
     return Redactor().redact(str(exc))
 
 
+def error_code(exc: BaseException) -> str:
+    """An error's `code` in OpenAI's style: its own, or its class's name in snake case
+    (`NoRouteError` -> `no_route`, `StepTimeoutError` -> `step_timeout`)."""
+    own = getattr(exc, "code", None)
+    if isinstance(own, str) and own:
+        return own
+    name = type(exc).__name__.removesuffix("Error") or type(exc).__name__
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
 def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]]:
     """status, body and extra headers for an error."""
     if isinstance(exc, RequestError):
@@ -47,14 +58,13 @@ def classify(exc: BaseException) -> tuple[int, dict[str, object], dict[str, str]
     if isinstance(exc, AuthError):
         return 401, error_body(str(exc), "authentication_error", None, "invalid_api_key"), {}
     if isinstance(exc, UnavailableError):
-        code = getattr(exc, "code", None) or type(exc).__name__
-        body = error_body(_redacted(exc), "service_unavailable", None, code)
+        body = error_body(_redacted(exc), "service_unavailable", None, error_code(exc))
         return 503, body, {"Retry-After": str(exc.retry_after_s)}
     if isinstance(exc, PeerError):  # a peer or the link to it failed: worth a retry
-        body = error_body(_redacted(exc), "service_unavailable", None, type(exc).__name__)
+        body = error_body(_redacted(exc), "service_unavailable", None, error_code(exc))
         return 503, body, {"Retry-After": "5"}
     if isinstance(exc, ModelError | InternalError | ClientDisconnectedError | SwarmError):
-        return 500, error_body(_redacted(exc), "server_error", None, type(exc).__name__), {}
+        return 500, error_body(_redacted(exc), "server_error", None, error_code(exc)), {}
     return 500, error_body("Internal server error", "server_error", None, "internal_error"), {}
 
 

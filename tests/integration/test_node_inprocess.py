@@ -39,7 +39,7 @@ async def test_a_full_node_answers_503_with_retry_after(
         assert second.status == 503
         assert int(second.headers["Retry-After"]) > 0
         error = (await second.json())["error"]
-        assert error["code"] == "OverloadedError" and "slots" in error["message"]
+        assert error["code"] == "overloaded" and "slots" in error["message"]
         release.set()
         assert (await first).status == 200
         third = await http.post(url, json=body(max_tokens=2))
@@ -51,7 +51,7 @@ async def test_step_timeout_is_503(make_node: NodeFactory) -> None:
     async with aiohttp.ClientSession() as http:
         response = await http.post(f"{node.api_url}/v1/chat/completions", json=body(max_tokens=4))
         assert response.status == 503
-        assert (await response.json())["error"]["code"] == "StepTimeoutError"
+        assert (await response.json())["error"]["code"] == "step_timeout"
 
 
 async def test_failure_mid_stream_sends_one_error_event_then_done(

@@ -364,3 +364,29 @@ def test_http_error_bodies_about_peers_carry_no_addresses() -> None:
     # A client's own request is quoted back as it was.
     _, body, _ = classify(InvalidRequestError("stop '10.0.0.1' is too long", "stop"))
     assert "10.0.0.1" in body["error"]["message"]  # type: ignore[index]
+
+
+def test_503_and_500_codes_are_snake_case_names_not_class_names() -> None:
+    from swarmd.api.errors import classify
+    from swarmd.errors import (
+        DialError,
+        InternalError,
+        NoRouteError,
+        OverloadedError,
+        QueueFullError,
+        StepTimeoutError,
+        StreamClosedError,
+    )
+
+    cases = [
+        (NoRouteError("m", [(10, 20)]), 503, "no_route"),
+        (OverloadedError("busy", 5), 503, "overloaded"),
+        (StepTimeoutError("slow", 5), 503, "step_timeout"),
+        (QueueFullError("full"), 503, "queue_full"),
+        (DialError("cannot dial"), 503, "dial_failed"),
+        (StreamClosedError("closed"), 503, "stream_closed"),
+        (InternalError("bug"), 500, "internal"),
+    ]
+    for exc, status, code in cases:
+        got_status, body, _ = classify(exc)
+        assert (got_status, body["error"]["code"]) == (status, code), exc  # type: ignore[index]
