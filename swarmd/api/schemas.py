@@ -123,9 +123,7 @@ class Message(BaseModel):
                     f"{where}.type",
                 )
             if not isinstance(part.said, str):
-                raise InvalidRequestError(
-                    f"Missing required parameter: '{where}.{field}'", f"{where}.{field}"
-                )
+                raise InvalidRequestError(f"Missing required parameter: '{where}.{field}'", where)
 
     def to_chat(self) -> ChatMessage:
         if self.content is None:

@@ -85,7 +85,7 @@ async def test_a_refusal_in_the_history_is_what_the_assistant_said(
         ),
         (
             {"role": "assistant", "content": [{"type": "refusal"}]},
-            "messages[1].content[0].refusal",
+            "messages[1].content[0]",
         ),
     ],
 )
