@@ -224,6 +224,8 @@ class RouteFailedError(UnavailableError):
 class InternalError(SwarmError):
     """Something broke inside the node (a bug or a failed worker)."""
 
+    code = "internal_error"  # as a 500 from an exception of no known kind
+
 
 class RecordError(SwarmError):
     """A DHT record failed validation; `reason` names the check for counters."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import re
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -38,6 +39,8 @@ INFER_PREFIX = "/v1/"
 JSON_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 QUEUED_PATHS = JSON_PATHS
 CORS_MAX_AGE_S = 600
+_MAX_ASKED_HEADERS = 2048  # a preflight's Access-Control-Request-Headers echoed back
+_HEADER_LIST = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+(?:\s*,\s*[A-Za-z0-9!#$%&'*+.^_`|~-]+)*")
 DRAIN_S = 1.0  # how long a refused body is read and dropped before the connection closes
 
 
@@ -105,6 +108,8 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         # What the page's client asks to send: the openai SDK adds its x-stainless-* headers,
         # others their own. The origin is trusted; the token still decides what it may do.
         asked = request.headers.get("Access-Control-Request-Headers", "")
+        if len(asked) > _MAX_ASKED_HEADERS or not _HEADER_LIST.fullmatch(asked):
+            asked = ""  # not a list of header names: the plain answer
         response.headers["Access-Control-Allow-Headers"] = asked or "authorization, content-type"
         response.headers["Access-Control-Max-Age"] = str(CORS_MAX_AGE_S)
     else:
@@ -112,7 +117,9 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if not response.prepared:
         response.headers["Access-Control-Allow-Origin"] = origin
         response.headers["Access-Control-Expose-Headers"] = "*"
-        response.headers["Vary"] = "Origin"
+        # a preflight's answer also depends on the headers it asked for
+        asked_too = ", Access-Control-Request-Headers" if request.method == "OPTIONS" else ""
+        response.headers["Vary"] = "Origin" + asked_too
     return response
 
 

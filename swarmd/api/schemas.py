@@ -118,8 +118,9 @@ class Message(BaseModel):
             where = f"messages[{index}].content[{j}]"
             field = "refusal" if part.type == "refusal" and self.role == "assistant" else "text"
             if part.type != field:
+                allowed = "'text' or 'refusal'" if self.role == "assistant" else "'text'"
                 raise UnsupportedError(
-                    f"Content parts of type '{part.type}' are not supported; only 'text'",
+                    f"Content parts of type '{part.type}' are not supported; only {allowed}",
                     f"{where}.type",
                 )
             if not isinstance(part.said, str):
@@ -127,11 +128,12 @@ class Message(BaseModel):
 
     def to_chat(self) -> ChatMessage:
         if self.content is None:
-            text = self.refusal or ""
+            text = ""
         elif isinstance(self.content, str):
             text = self.content
         else:
             text = "".join(p.said or "" for p in self.content)
+        text = text or self.refusal or ""  # a refusal dumped beside "" is what was said
         # Chat templates know no "developer" role; it is OpenAI's new name for system.
         return ChatMessage("system" if self.role == "developer" else self.role, text)
 

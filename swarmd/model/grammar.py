@@ -416,7 +416,10 @@ def _tool_calls_lark(fmt: ToolCallFormat) -> str:
     calls = " | ".join(f"call_{i}" for i in range(len(fmt.functions)))
     more = f" ({_lit(fmt.separator)} call)*" if fmt.parallel else ""
     if fmt.answer:
-        answer = json.dumps(_laid_out(_closed(json.loads(fmt.answer))), ensure_ascii=False)
+        schema = json.loads(fmt.answer)
+        if not fmt.begin:
+            schema = _not_call_shaped(schema, fmt.arguments_key)
+        answer = json.dumps(_laid_out(_closed(schema)), ensure_ascii=False)
         rules += ["start: calls | answer", f"answer: %json {answer}"]
     head = "calls" if fmt.answer else "start"
     return "\n".join(
@@ -426,6 +429,31 @@ def _tool_calls_lark(fmt: ToolCallFormat) -> str:
             *rules,
         ]
     )
+
+
+def _not_call_shaped(schema: Any, arguments_key: str) -> Any:
+    """A bare call (Llama 3's object, Mistral's list of objects) is read as one by its
+    `arguments_key`: an answer may not carry that key where a call would, at the top or in
+    a top-level list's items, so an answer is never read as a call whose arguments no
+    schema checked. (A format that names that key itself keeps it.)"""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("items"), dict):
+        out["items"] = _not_call_shaped(out["items"], arguments_key)
+    if out.get("type") == "array":
+        return out
+    properties = out.get("properties")
+    if properties is None:  # any keys: all but that one (`_closed` must not shut the rest)
+        out["properties"] = {arguments_key: False}
+        out.setdefault("additionalProperties", True)
+    elif (
+        isinstance(properties, dict)
+        and arguments_key not in properties
+        and out.get("additionalProperties", False) is not False  # else `_closed` shuts it
+    ):
+        out["properties"] = {**properties, arguments_key: False}
+    return out
 
 
 def _lit(text: str) -> str:

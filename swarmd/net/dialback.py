@@ -65,6 +65,7 @@ COOLDOWN_S = 60.0  # one question per caller in this long
 MAX_AT_ONCE = 4  # questions answered at once (each makes up to MAX_ADDRS dials)
 _PROTECT_TAG = "swarmd-dial-back"  # the asked peers' connections are not trimmed meanwhile
 _SETTLE_S = 5.0  # the longest a dial-back's own connection takes to go, after the answer
+_POLL_S = 0.02  # how often the connections are looked at meanwhile
 
 
 def direct_tcp(addr: str) -> tuple[str, int] | None:
@@ -177,6 +178,36 @@ class DialBackService:
         return list(targets)[:MAX_ADDRS]
 
 
+class _Arrivals:
+    """A libp2p notifee: the peers whose connections were registered while it listened
+    (libp2p tells it after any trim, so the protection must outlast this)."""
+
+    def __init__(self) -> None:
+        self.peers: set[ID] = set()
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        self.peers.add(conn.muxed_conn.peer_id)
+
+    async def disconnected(self, network: Any, conn: Any) -> None: ...
+
+    async def opened_stream(self, network: Any, stream: Any) -> None: ...
+
+    async def closed_stream(self, network: Any, stream: Any) -> None: ...
+
+    async def listen(self, network: Any, multiaddr: Any) -> None: ...
+
+    async def listen_close(self, network: Any, multiaddr: Any) -> None: ...
+
+
+async def _until_gone(network: Any, arrivals: _Arrivals, peers: list[ID]) -> None:
+    """Until each of `peers`' dial-back connection has been registered here and is gone
+    again (one connection left), or _SETTLE_S."""
+    for _ in range(int(_SETTLE_S / _POLL_S)):
+        if all(p in arrivals.peers and len(network.connections.get(p, ())) <= 1 for p in peers):
+            return
+        await trio.sleep(_POLL_S)
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the peers asked found: "public" (one reached this node), "private" (every
@@ -212,11 +243,15 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
     # are enough, since a peer also tries the IP it sees with each port named.
     addrs = addrs[:MAX_ADDRS]
     answers: list[dict[str, Any]] = []
+    reached_by: list[ID] = []  # peers whose dial-back connection came (or is coming) here
     failures: list[str] = []
 
     async def ask(peer_id: str) -> None:
         try:
-            answers.append(await call_dial_back(host, peer_id, addrs))
+            answer = await call_dial_back(host, peer_id, addrs)
+            answers.append(answer)
+            if answer["reached"]:
+                reached_by.append(ID.from_base58(peer_id))
         except SwarmError as exc:  # RemoteError, RpcTimeoutError, a malformed answer
             failures.append(f"{peer_id[-8:]}: {safe_text(exc, 200)}")
 
@@ -228,6 +263,8 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
     # itself once its handshake is done.
     network = host.libp2p.get_network()
     protected = [ID.from_base58(p) for p in peers]
+    arrivals = _Arrivals()
+    network.register_notifee(arrivals)
     for peer in protected:
         network.protect(peer, _PROTECT_TAG)
     try:
@@ -235,12 +272,11 @@ async def judge(host: P2PHost, peers: list[str], addrs: list[str]) -> Verdict:
             for peer_id in peers:
                 nursery.start_soon(ask, peer_id)
         # The answer can come before this side has registered the dial-back's connection
-        # (and trimmed): the protection stays until no asked peer has a surplus one.
-        for _ in range(int(_SETTLE_S / 0.05)):
-            await trio.sleep(0.05)
-            if all(len(network.connections.get(p, ())) <= 1 for p in protected):
-                break
+        # (and would trim): each peer that reached this node stays protected until its
+        # second connection has been seen and is gone again, or for _SETTLE_S at most.
+        await _until_gone(network, arrivals, reached_by)
     finally:
+        network.remove_notifee(arrivals)
         for peer in protected:
             network.unprotect(peer, _PROTECT_TAG)
     dialed = [a for a in answers if a["tried"] > 0]

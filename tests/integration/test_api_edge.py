@@ -200,6 +200,19 @@ async def test_pages_of_other_origins_are_refused(make_node: NodeFactory) -> Non
         ) as preflight:
             assert preflight.status == 204
             assert preflight.headers["Access-Control-Allow-Headers"] == asked
+            assert preflight.headers["Vary"] == "Origin, Access-Control-Request-Headers"
+        # what is no list of header names gets the plain answer, never an echo
+        async with http.options(
+            node.api_url + CHAT,
+            headers={
+                **allowed,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "x-a; evil=1",
+            },
+        ) as preflight:
+            assert preflight.headers["Access-Control-Allow-Headers"] == (
+                "authorization, content-type"
+            )
         async with http.post(
             node.api_url + CHAT, json=body(max_tokens=1), headers=allowed
         ) as response:

@@ -10,9 +10,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 
 from swarmd.errors import RemoteError
@@ -148,15 +150,26 @@ def test_a_peer_that_cannot_answer_leaves_the_verdict_unknown() -> None:
     run(test)
 
 
-def test_a_check_leaves_the_connection_it_was_asked_on_open() -> None:
+@pytest.mark.parametrize("late_s", [0.0, 0.3])
+def test_a_check_leaves_the_connection_it_was_asked_on_open(
+    late_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The dial-back arrives as an inbound connection from the asked peer. With one
     connection a peer allowed, libp2p trimmed the older one once it was past its grace
     period: every session on it died, and the stages were banned (a swarm ten minutes
-    old, at its first re-check). The asked peers are protected while asked."""
+    old, at its first re-check). The asked peers are protected while asked, and until
+    the dial-back's connection has come and gone, even when this side registers it only
+    after the answer (`late_s`: a busy loop)."""
+    add_conn = Swarm.add_conn
+
+    async def late_add_conn(self: Swarm, *args: Any, **kwargs: Any) -> Any:
+        await trio.sleep(late_s)
+        return await add_conn(self, *args, **kwargs)
 
     async def test() -> None:
         async with peer() as a, peer() as b:
             await b.host.connect(a.host.addrs[0])
+            monkeypatch.setattr(Swarm, "add_conn", late_add_conn)
             networks = [h.libp2p.get_network() for h in (a.host, b.host)]
             before = networks[1].connections[ID.from_base58(a.host.peer_id)][0]
             for network in networks:  # as if connected for long: past the grace period
@@ -167,6 +180,7 @@ def test_a_check_leaves_the_connection_it_was_asked_on_open() -> None:
                 verdict = await judge(b.host, [a.host.peer_id], b.host.direct)
                 assert verdict.reachability == "public"
                 a.service._last.clear()
+            await trio.sleep(late_s + 0.5)  # a connection registered late would be here now
             after = networks[1].connections[ID.from_base58(a.host.peer_id)]
             assert after == [before] and not before.is_closed
             # the RPC path still works over it

@@ -59,15 +59,16 @@ async def test_a_refusal_in_the_history_is_what_the_assistant_said(
         user("Hi"),
         {"role": "assistant", "content": [{"type": "refusal", "refusal": said}]},
     ]
+    beside_empty = [user("Hi"), {"role": "assistant", "content": "", "refusal": said}]
     as_text = [user("Hi"), {"role": "assistant", "content": said}]
     prompts = []
-    for history in (as_field, as_part, as_text):
+    for history in (as_field, as_part, beside_empty, as_text):
         reply = await api.chat.completions.create(
             model="tiny", messages=[*history, user("Why?")], max_tokens=1, temperature=0
         )
         assert reply.usage is not None
         prompts.append(reply.usage.prompt_tokens)
-    assert prompts[0] == prompts[1] == prompts[2]
+    assert prompts[0] == prompts[1] == prompts[2] == prompts[3]
 
 
 @pytest.mark.parametrize(

@@ -370,6 +370,49 @@ def test_calls_or_an_answer_of_the_format(name: str, vocab: Vocabulary, codec: T
         assert constraint.accepting, text
 
 
+def _takes(spec: GrammarSpec, text: str, vocab: Vocabulary, codec: TextCodec) -> bool:
+    constraint = Constraint(compile_grammar(spec, vocab))
+    for token in codec.encode(text):
+        if not constraint.allowed()[token]:
+            return False
+        constraint.accept(token)
+    return constraint.accepting
+
+
+@pytest.mark.parametrize(
+    ("name", "answer", "unchecked_call", "answers"),
+    [
+        (
+            "llama3",
+            {"type": "object"},
+            '{"name": "get_time", "parameters": {"bogus": 1}}',
+            ['{"x": 1}', '{"name": "get_time", "ok": true}'],
+        ),
+        (
+            "mistral",
+            {"type": "array", "items": {"type": "object"}},
+            '[{"name": "get_time", "arguments": {"bogus": 1}}]',
+            ['[{"x": 1}]', '[{"name": "get_time"}]'],
+        ),
+    ],
+)
+def test_an_answer_is_never_a_call_whose_arguments_went_unchecked(
+    name: str,
+    answer: dict[str, Any],
+    unchecked_call: str,
+    answers: list[str],
+    vocab: Vocabulary,
+    codec: TextCodec,
+) -> None:
+    """A bare call is read by its arguments key: an open answer could have been a call
+    to a real function with any arguments. The answer may not carry that key there."""
+    fmt = replace(FORMATS[name], answer=json.dumps(answer))
+    spec = GrammarSpec.tool_calls(fmt)
+    assert not _takes(spec, unchecked_call, vocab, codec)
+    for text in answers:
+        assert _takes(spec, text, vocab, codec), text
+
+
 def test_the_answer_travels_only_when_there_is_one() -> None:
     plain = FORMATS["hermes"]
     assert "answer" not in json.loads(plain.to_json())  # what stages before 0.5.1 read

@@ -385,7 +385,7 @@ def test_503_and_500_codes_are_snake_case_names_not_class_names() -> None:
         (QueueFullError("full"), 503, "queue_full"),
         (DialError("cannot dial"), 503, "dial_failed"),
         (StreamClosedError("closed"), 503, "stream_closed"),
-        (InternalError("bug"), 500, "internal"),
+        (InternalError("bug"), 500, "internal_error"),
     ]
     for exc, status, code in cases:
         got_status, body, _ = classify(exc)
