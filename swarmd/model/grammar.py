@@ -395,22 +395,20 @@ def _tool_calls_lark(fmt: ToolCallFormat) -> str:
     with an `answer`, that or one JSON value of the answer's schema."""
     rules = []
     for i, function in enumerate(fmt.functions):
-        head = (
-            f"{fmt.begin}{{{json.dumps(fmt.name_key)}: {json.dumps(function.name)}, "
-            f"{json.dumps(fmt.arguments_key)}: "
-        )
+        # The call's head in the pieces the JSON grammar lexes ("{", a key, ": ", a value,
+        # ", "). A bare call ("{" first: Llama 3, Mistral) beside an answer, which is JSON
+        # too, is written piece by piece: the lexer extends the longest literal it can, so
+        # one long literal would shut out an answer that starts the same way.
+        key_sep, item_sep = _SEPARATORS[1], _SEPARATORS[0]
+        pieces = ["{", json.dumps(fmt.name_key), key_sep, json.dumps(function.name), item_sep]
+        pieces += [json.dumps(fmt.arguments_key), key_sep]
+        if fmt.answer and not fmt.begin:
+            opening = " ".join(_lit(p) for p in pieces)
+        else:
+            opening = _lit(fmt.begin + "".join(pieces))
         tail = f"}}{fmt.end}"
         schema = function.parameters or {"type": "object", "properties": {}}
         args = json.dumps(_laid_out(_closed(schema)), ensure_ascii=False)
-        opening = _lit(head)
-        if fmt.answer and not fmt.begin:
-            # A bare call ("{" first: Llama 3, Mistral) beside an answer, which is JSON too:
-            # the call's head goes in the pieces the JSON grammar lexes ("{", a key, ": ",
-            # a value, ", "). The lexer extends the longest literal it can, so one long
-            # literal would shut out an answer that starts the same way.
-            pieces = ["{", json.dumps(fmt.name_key), _SEPARATORS[1], json.dumps(function.name)]
-            pieces += [_SEPARATORS[0], json.dumps(fmt.arguments_key), _SEPARATORS[1]]
-            opening = " ".join(_lit(p) for p in pieces)
         rules.append(f"call_{i}: {opening} args_{i} {_lit(tail)}")
         rules.append(f"args_{i}: %json {args}")
     calls = " | ".join(f"call_{i}" for i in range(len(fmt.functions)))

@@ -336,7 +336,6 @@ def test_calls_or_an_answer_of_the_format(name: str, vocab: Vocabulary, codec: T
     first = Constraint(compile_grammar(spec, vocab)).allowed()
     starts = {codec.decode([i])[:1] for i in torch.nonzero(first).flatten().tolist()}
     assert "{" in starts and (fmt.prefix or fmt.begin or "{")[0] in starts
-    kinds = set()
     for seed in range(8):
         constraint = Constraint(compile_grammar(spec, vocab))
         text = codec.decode(
@@ -348,14 +347,12 @@ def test_calls_or_an_answer_of_the_format(name: str, vocab: Vocabulary, codec: T
             assert all(list(call) == [fmt.name_key, fmt.arguments_key] for call in calls)
         except (AssertionError, ValueError):
             jsonschema.validate(json.loads(text), ANSWER)  # not calls: then the answer
-            kinds.add("answer")
             continue
         functions = {f.name: f.parameters for f in fmt.functions}
         for call in calls:
             schema = functions[call[fmt.name_key]] or {"type": "object", "maxProperties": 0}
             jsonschema.validate(call[fmt.arguments_key], schema)
-        kinds.add("calls")
-    assert kinds  # which one the noise picks is its business; both are taken below:
+    # which one the noise picks is its business; both are taken here:
     call = '{"name": "get_time", "arguments": {"zone": "UTC+1"}}'.replace(
         '"arguments"', json.dumps(fmt.arguments_key)
     )
