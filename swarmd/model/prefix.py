@@ -23,10 +23,11 @@ def continued(kept: Sequence[int], kept_prompt_length: int, prompt: Sequence[int
     """How many leading positions of a kept conversation (`kept`: the ids its cache holds,
     its prompt then its reply) a new `prompt` may reuse; 0 when it is no continuation.
 
-    A continuation shares the conversation's whole prompt and then some of its reply. Not
-    another request with the same system prompt, nor the same prompt again (that one's
-    reply is then exactly a fresh prefill's). The prompt's last token is always run for
-    its logits, so at most all but it are reused.
+    A continuation shares the conversation's whole prompt and then some of its reply: the
+    next turn, which may take the cache over. Another request with the same system
+    prompt, or the same prompt again, is not one: it may only copy the shared start
+    (`StageRuntime._adopt`), since the conversation's own next turn may still come. The
+    prompt's last token is always run for its logits, so at most all but it are reused.
     """
     shared = shared_start(kept, prompt)
     if shared <= kept_prompt_length:

@@ -17,7 +17,7 @@ import torch
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError, SwarmError
 from swarmd.model.grammar import GrammarSpec
 from swarmd.model.layers import LayerRange
-from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued
+from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued, shared_start
 from swarmd.model.rows import Row
 from swarmd.model.sampler import Sampler
 from swarmd.model.sampling import Constraint, Sampled, SamplingParams, TokenLogprobs
@@ -245,9 +245,12 @@ class StageRuntime:
         return len(prompt) - 1, cache, sibling.prompt_logits
 
     def _adopt(self, module: Stage, prompt: list[int] | None, max_length: int) -> tuple[int, Any]:
-        """The kept conversation `prompt` continues with the longest shared start, its cache
-        cut to that start."""
-        if not prompt or not self._prefixes:
+        """The most of `prompt` a cache here already holds: a kept conversation it
+        continues (its whole prompt and some of its reply) is taken over, cut to the
+        shared start; a start shared with any other conversation, finished or still
+        running (the same system prompt, the same prompt again), is copied. (0, None):
+        nothing worth reusing."""
+        if not prompt or self.prefix_tokens <= 0:
             return 0, None
         best_key, best = None, 0
         for key, kept in self._prefixes.items():
@@ -256,9 +259,38 @@ class StageRuntime:
             reuse = continued(kept.tokens, kept.prompt_length, prompt)
             if reuse > best:
                 best_key, best = key, reuse
+        source, shared = self._shared_start(module, prompt)
+        if shared > best and source is not None:
+            cache = module.fork_cache(source, shared, max_length)
+            if cache is not None:
+                self.prefix_hits += 1
+                self.prefix_reused_tokens += shared
+                return shared, cache
         if best_key is None:
             return 0, None
         return self._take(best_key, best, max_length)
+
+    def _shared_start(self, module: Stage, prompt: list[int]) -> tuple[Any, int]:
+        """The cache (of a kept conversation or an open session over `module`) whose ids
+        begin with the longest start of `prompt`, and that start's length: at most all
+        but the prompt's last token (run for its logits), and (None, 0) under
+        MIN_PREFIX_TOKENS. Copying it is exact: a position's bits do not depend on the
+        chunk that computed it (engine/attention.py)."""
+        best_cache, best = None, MIN_PREFIX_TOKENS - 1
+        limit = len(prompt) - 1
+        candidates = [(p.tokens, p.cache) for p in self._prefixes.values() if p.module is module]
+        candidates += [
+            (s.tokens, s.cache)
+            for s in self._sessions.values()
+            if s.module is module and s.pending is None
+        ]
+        for tokens, cache in candidates:
+            if tokens is None or len(tokens) <= best:
+                continue
+            held = min(shared_start(tokens, prompt), limit, int(getattr(cache, "length", 0)))
+            if held > best:
+                best_cache, best = cache, held
+        return (best_cache, best) if best_cache is not None else (None, 0)
 
     def _resume(self, module: Stage, key: str, length: int, max_length: int) -> tuple[int, Any]:
         """The cache kept under `key` by a session over the same layers, cut to `length`

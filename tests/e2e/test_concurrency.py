@@ -329,10 +329,12 @@ def test_a_second_turn_reuses_the_first_turns_cache(
     node that never saw turn 1 answers."""
     from tests.e2e.test_pipeline import LONG_PROMPT
 
-    first = {**chat_body(LONG_PROMPT + " Number 7.", 12), "stream": False}
+    # Its own first words: other tests send LONG_PROMPT to this node too, and a start
+    # shared with them would be copied (only the system prompt is, this way).
+    first = {**chat_body("Conversation seven. " + LONG_PROMPT, 12), "stream": False}
     status, turn1, _ = http_json(f"{embedded_node.url}/v1/chat/completions", first)
     assert status == 200
-    assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert turn1["usage"]["prompt_tokens_details"]["cached_tokens"] < 40
     messages = [
         *first["messages"],
         {"role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
@@ -345,7 +347,8 @@ def test_a_second_turn_reuses_the_first_turns_cache(
     assert turn1["usage"]["prompt_tokens"] <= cached < turn2["usage"]["prompt_tokens"]
     assert turn2["swarm"]["timing"]["ttft_ms"] <= turn1["swarm"]["timing"]["ttft_ms"] / 2
     status, fresh, _ = http_json(f"{small_budget_node.url}/v1/chat/completions", second)
-    assert status == 200 and fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert status == 200  # it never saw turn 1: at most a system prompt comes from its cache
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] < 40
     assert turn2["choices"][0]["message"] == fresh["choices"][0]["message"]
     assert f"cached_tokens={cached}" in embedded_node.log_text()
 
@@ -386,7 +389,8 @@ def test_second_turns_reused_at_once_equal_a_fresh_nodes_greedy_and_seeded(
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert first["usage"]["prompt_tokens"] <= cached < second["usage"]["prompt_tokens"]
         fresh = ask(small_budget_node, payload)
-        assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        fresh_cached = fresh["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert fresh_cached < first["usage"]["prompt_tokens"]  # never saw turn 1
         assert second["choices"][0]["message"] == fresh["choices"][0]["message"]
 
 
@@ -435,7 +439,9 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
         assert first["usage"]["prompt_tokens"] < cached < second["usage"]["prompt_tokens"]
         assert second["swarm"]["timing"]["ttft_ms"] <= first["swarm"]["timing"]["ttft_ms"] / 2
         status, fresh, _ = http_json(f"{embedded_node.url}/v1/chat/completions", body)
-        assert status == 200 and fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert status == 200  # it never saw turn 1: at most a shared start is copied
+        fresh_cached = fresh["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert fresh_cached < first["usage"]["prompt_tokens"]
         assert second["choices"][0]["message"] == fresh["choices"][0]["message"]
         assert f"cached_tokens={cached}" in node.log_text()
     # Each stage took its cache over: a third turn of conversation 0 that repeats turn 2's

@@ -337,11 +337,18 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
     assert fresh.step("f", torch.tensor([turn2]), True).token == got
     assert runtime.prefix_hits == 1 and runtime.prefix_held_tokens == 0  # taken, not shared
     # A prompt that shares a long start (a system prompt) but not t2's whole prompt is
-    # another conversation: a fresh cache.
+    # another conversation: it gets a copy of that start, and t2's cache stays kept.
     runtime.close("t2")
     other = prompt(30, seed=9)[0].tolist()
-    assert len(turn2) - 3 >= MIN_PREFIX_TOKENS
-    assert runtime.open("t3", 128, greedy, prompt=turn2[:-3] + other) == 0
+    shared = len(turn2) - 3
+    assert shared >= MIN_PREFIX_TOKENS
+    t3 = turn2[:shared] + other
+    assert runtime.open("t3", 128, greedy, prompt=t3) == shared
+    assert runtime.prefix_hits == 2 and runtime.prefix_held_tokens >= len(turn2)  # copied
+    got = runtime.step("t3", torch.tensor([t3[shared:]]), True).token
+    fresh.close("f")
+    fresh.open("f3", 128, greedy, prompt=t3)
+    assert fresh.step("f3", torch.tensor([t3]), True).token == got
     # The least recently finished conversation goes first once the cap is passed.
     # Each holds 64: its capacity, a whole block of positions (engine/kv.py).
     small = StageRuntime(stage, max_sessions=4, prefix_tokens=100)
@@ -353,20 +360,63 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
     assert small.prefix_held_tokens == 64 and list(small._prefixes) == ["c2"]
 
 
-def test_the_same_prompt_again_is_not_served_from_the_cache(tmp_path: Path) -> None:
-    """A repeat shares only the prompt: prefilled afresh, its reply is the first one's."""
-    from swarmd.model.runtime import StageRuntime
+def test_a_shared_start_is_copied_from_finished_and_running_conversations(
+    tmp_path: Path,
+) -> None:
+    """The same prompt again, or another with the same long start (a system prompt),
+    copies that start from a kept conversation or from a session still running, and
+    prefills only the rest: every reply equals a fresh runtime's, several at once; a
+    start under MIN_PREFIX_TOKENS is not worth a copy, and neither is a stage's cache
+    kept by key (it holds no ids to match)."""
+    from swarmd.model.runtime import MIN_PREFIX_TOKENS, StageRuntime, StepRequest
     from swarmd.model.sampling import SamplingParams
 
     path, _ = make_tiny("llama", tmp_path)
-    runtime = StageRuntime(lean(path), max_sessions=2, prefix_tokens=400)
-    ids = prompt(24, seed=5)[0].tolist()
-    for sid in ("first", "again"):
-        assert runtime.open(sid, 64, SamplingParams(temperature=0.0), prompt=ids) == 0
-        runtime.step(sid, torch.tensor([ids]), True)
-        runtime.step(sid, torch.tensor([[7]]), True)
+    stage = lean(path)
+    greedy = SamplingParams(temperature=0.0)
+    system = prompt(24, seed=5)[0].tolist()
+    asks = [system + prompt(3 + i, seed=40 + i)[0].tolist() for i in range(4)]
+
+    def reply(runtime: StageRuntime, sid: str, ids: list[int], reused: int) -> list[int]:
+        out = [runtime.step(sid, torch.tensor([ids[reused:]]), True).token]
+        for _ in range(4):
+            out.append(runtime.step(sid, torch.tensor([[out[-1]]]), True).token)
+        return out
+
+    fresh = StageRuntime(stage, max_sessions=1)
+    expected = []
+    for i, ids in enumerate(asks):
+        assert fresh.open(f"f{i}", 64, greedy, prompt=ids) == 0
+        expected.append(reply(fresh, f"f{i}", ids, 0))
+        fresh.close(f"f{i}")
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
+    assert runtime.open("first", 64, greedy, prompt=asks[0]) == 0
+    assert reply(runtime, "first", asks[0], 0) == expected[0]
+    # Still running: the others copy the system prompt from it, and run beside it.
+    opened = {}
+    for i in (1, 2):
+        opened[i] = runtime.open(f"s{i}", 64, greedy, prompt=asks[i])
+        assert opened[i] == len(system)
+    outs = {1: [], 2: []}
+    steps = {i: torch.tensor([asks[i][opened[i] :]]) for i in (1, 2)}
+    for _ in range(5):
+        results = runtime.step_many([StepRequest(f"s{i}", steps[i], True) for i in (1, 2)])
+        for i, result in zip((1, 2), results, strict=True):
+            assert not isinstance(result, BaseException)
+            outs[i].append(result.token)
+            steps[i] = torch.tensor([[result.token]])
+    assert [outs[1], outs[2]] == expected[1:3]
+    for sid in ("first", "s1", "s2"):
         runtime.close(sid)
-    assert runtime.prefix_hits == 0
+    # Finished: the same prompt again copies all of it but its last token.
+    assert runtime.open("again", 64, greedy, prompt=asks[3]) == len(system)
+    runtime.close("again")
+    assert runtime.open("repeat", 64, greedy, prompt=asks[0]) == len(asks[0]) - 1
+    assert reply(runtime, "repeat", asks[0], len(asks[0]) - 1) == expected[0]
+    hits = runtime.prefix_hits
+    short = system[: MIN_PREFIX_TOKENS - 1] + prompt(20, seed=60)[0].tolist()
+    assert runtime.open("short", 64, greedy, prompt=short) == 0
+    assert runtime.prefix_hits == hits
 
 
 def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path: Path) -> None:
