@@ -26,6 +26,7 @@ class OpenJob:
     prompt: tuple[int, ...] = ()  # the prompt ids (a whole-model session: prefix reuse)
     share: str | None = None  # an open session of the same prompt whose cache to copy
     resume: tuple[str, int] | None = None  # (key, n): a kept cache to take, cut to n
+    copy: bool = False  # with `resume`: copy those n positions, the cache stays kept
     keep_as: str | None = None  # keep this session's cache under this key when it ends
 
 

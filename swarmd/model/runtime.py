@@ -176,6 +176,7 @@ class StageRuntime:
         share: str | None = None,
         resume: tuple[str, int] | None = None,
         keep_as: str | None = None,
+        copy: bool = False,
     ) -> int:
         """Create a session over `layers` (default: all held); return how many tokens of
         `prompt` its cache already holds (reused from a finished conversation that began
@@ -186,7 +187,9 @@ class StageRuntime:
         rebuilt after a failover. `resume` (key, n): a route's stage takes over the cache
         a finished session kept under `key`, cut to its first n positions (0 when it is
         not kept any more: the coordinator then prefills from the start); `keep_as`: when
-        this session ends, keep its cache under that key for such a resume.
+        this session ends, keep its cache under that key for such a resume; `copy`: the
+        resume copies those n positions and the cache stays kept (a request that shares
+        the conversation's start, not its next turn).
         """
         if session_id in self._sessions:
             raise InternalError(f"Session {session_id} is already open")
@@ -205,7 +208,7 @@ class StageRuntime:
                 sampler.observe(token)
         reused, cache, pending = self._fork(share, module, prompt, max_length)
         if cache is None and resume is not None:
-            reused, cache = self._resume(module, resume[0], resume[1], max_length)
+            reused, cache = self._resume(module, resume[0], resume[1], max_length, copy)
         if cache is None:
             reused, cache = self._adopt(module, prompt, max_length)
         track = module.is_first and prompt is not None and self.prefix_tokens > 0
@@ -292,9 +295,13 @@ class StageRuntime:
                 best_cache, best = cache, held
         return (best_cache, best) if best_cache is not None else (None, 0)
 
-    def _resume(self, module: Stage, key: str, length: int, max_length: int) -> tuple[int, Any]:
+    def _resume(
+        self, module: Stage, key: str, length: int, max_length: int, copy: bool = False
+    ) -> tuple[int, Any]:
         """The cache kept under `key` by a session over the same layers, cut to `length`
-        positions; (0, None) when it is gone (evicted, or never kept here) or shorter."""
+        positions (with `copy`, a copy of them: the kept cache stays, now the most
+        recently used); (0, None) when it is gone (evicted, or never kept here) or
+        shorter."""
         if key not in self._prefixes:
             self._end_keeper(key)
         kept = self._prefixes.get(key)
@@ -302,6 +309,14 @@ class StageRuntime:
             return 0, None
         if kept.cache.length < length:
             return 0, None
+        if copy:
+            cache = module.fork_cache(kept.cache, length, max_length)
+            if cache is None:
+                return 0, None
+            self._prefixes.move_to_end(key)
+            self.prefix_hits += 1
+            self.prefix_reused_tokens += length
+            return length, cache
         return self._take(key, length, max_length)
 
     def _end_keeper(self, key: str) -> None:

@@ -330,6 +330,7 @@ class TorchWorker:
                 job.share,
                 job.resume,
                 job.keep_as,
+                job.copy,
             )
         return self.runtime.close(job.session_id)
 

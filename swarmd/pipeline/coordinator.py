@@ -211,7 +211,7 @@ class Coordinator:
             return held.local_chain(hop, self._limits.step_timeout_s)
         settings = self.settings_for(model)
         route, records = await plan(self.swarm, settings, need_tokens, sampling)
-        taken = self.kept.take(model.model_id, prompt, records, self.swarm.banned())
+        taken = self.kept.take(model.model_id, prompt, records, self.swarm.banned(), route)
         resume = None
         if taken is not None:
             route, resume = taken

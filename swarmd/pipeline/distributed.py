@@ -424,6 +424,7 @@ class DistributedChain:
             tuple(self._reply),
             keep,
             (resume.sid, resume.length) if resume is not None and keep else None,
+            resume is not None and resume.copy,
         )
         ring = Ring(
             self._access.stage_service, request, self._settings.timeouts, self._settings.vocab_size
@@ -438,6 +439,8 @@ class DistributedChain:
                 self._reused = resume.length
                 return
             # A stage let the conversation go: a fresh session, and the whole prompt.
+            if self._kept is not None:
+                self._kept.forget(resume.sid)  # (taken already, unless it was a copy)
             log.info(
                 "resume of %s missed on the route (%d of %d positions): prefilling",
                 resume.sid,
@@ -687,10 +690,11 @@ def open_request(
     history: tuple[int, ...],
     keep: bool = False,
     resume: tuple[str, int] | None = None,
+    copy: bool = False,
 ) -> wire.OpenRequest:
     """The `open` frame's request for stage 0 of `route` (pure). `top_k` travels as the
-    wire reads it (`bounds.wire_top_k`: off at or over the vocabulary); `keep` and
-    `resume`: see `wire` (prefix reuse)."""
+    wire reads it (`bounds.wire_top_k`: off at or over the vocabulary); `keep`, `resume`
+    and `copy`: see `wire` (prefix reuse)."""
     by_peer = {r.peer_id: r for r in records}
     addrs = {p: by_peer[p].addrs for p in route.peers if p in by_peer}
     addrs[me] = my_addrs
@@ -706,6 +710,7 @@ def open_request(
         history=history,
         keep=keep,
         resume=resume,
+        copy=copy and resume is not None,
     )
 
 

@@ -9,7 +9,11 @@ prefilled; a stage that let the cache go makes the ring say so, and the request 
 prefills from the start on a fresh session.
 
 An entry is taken by the request that resumes it (as each stage takes its cache), and
-when that request ends its own entry, longer, replaces it. Pure: no I/O, no torch.
+when that request ends its own entry, longer, replaces it. A request that only shares a
+start with a kept conversation (the same system prompt, the same prompt again) and was
+planned onto that conversation's route anyway has every stage *copy* that start (since
+0.5.2, `wire.COPY_SINCE`): the entry stays for the conversation's own next turn, and
+the copy never moves a request off the route placement chose. Pure: no I/O, no torch.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from swarmd.dht.records import NodeRecord
-from swarmd.model.prefix import continued
+from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued, shared_start
 from swarmd.pipeline import wire
 from swarmd.pipeline.route import Route
 
@@ -48,6 +52,7 @@ class Resume:
     sid: str
     length: int  # positions every stage takes over (the caller prefills the rest)
     steps: list[list[int]]  # the kept steps cut to `length` tokens (a failover replays them)
+    copy: bool = False  # every stage copies them: the kept conversation stays kept
 
 
 class KeptConversations:
@@ -87,11 +92,14 @@ class KeptConversations:
         prompt: Sequence[int],
         records: Sequence[NodeRecord],
         banned: Collection[str],
+        planned: Route | None = None,
     ) -> tuple[Route, Resume] | None:
         """The kept conversation of `model_id` that `prompt` continues furthest, whose
         route these holders still serve (each stage's peer announces its range, reads
-        `resume`, and is not banned): its route and what to resume. The entry is gone
-        once taken. None: nothing to reuse."""
+        `resume`, and is not banned): its route and what to resume; the entry is gone
+        once taken. Else, given the `planned` route, the longest start `prompt` shares
+        with a conversation kept on that same route, to copy (its entry stays). None:
+        nothing to reuse."""
         self._expire()
         best: tuple[int, Kept] | None = None
         for kept in self._entries.values():
@@ -101,11 +109,44 @@ class KeptConversations:
             # On a tie the newest: its stages are the likeliest to keep it still.
             if reuse and (best is None or reuse >= best[0]):
                 best = (reuse, kept)
+        shared = self._shared(model_id, prompt, records, banned, planned)
+        if planned is not None and shared is not None and (best is None or shared[0] > best[0]):
+            length, kept = shared
+            self._entries.move_to_end(kept.sid)  # recently used: the last to go
+            return planned, Resume(kept.sid, length, cut_steps(kept.steps, length), copy=True)
         if best is None:
             return None
         length, kept = best
         del self._entries[kept.sid]
         return kept.route, Resume(kept.sid, length, cut_steps(kept.steps, length))
+
+    def forget(self, sid: str) -> None:
+        """Drop an entry its route no longer holds (a copy of it missed on a stage)."""
+        self._entries.pop(sid, None)
+
+    def _shared(
+        self,
+        model_id: str,
+        prompt: Sequence[int],
+        records: Sequence[NodeRecord],
+        banned: Collection[str],
+        planned: Route | None,
+    ) -> tuple[int, Kept] | None:
+        """The longest start of `prompt` (all but its last token at most) a conversation
+        kept on the `planned` route holds, when every stage of it copies (COPY_SINCE)."""
+        if planned is None or not copies(planned, records):
+            return None
+        hops = _hops(planned)
+        best: tuple[int, Kept] | None = None
+        for kept in self._entries.values():
+            if kept.model_id != model_id or _hops(kept.route) != hops:
+                continue
+            if not serves(kept.route, records, banned):
+                continue
+            length = min(shared_start(kept.tokens, prompt), len(prompt) - 1)
+            if length >= MIN_PREFIX_TOKENS and (best is None or length >= best[0]):
+                best = (length, kept)
+        return best
 
     def _expire(self) -> None:
         oldest = self._clock() - self._max_age_s
@@ -129,6 +170,16 @@ def serves(route: Route, records: Sequence[NodeRecord], banned: Collection[str])
         ):
             return False
     return True
+
+
+def copies(route: Route, records: Sequence[NodeRecord]) -> bool:
+    """Whether every stage's peer of `route` copies a kept cache (reads `copy`)."""
+    versions = {r.peer_id: r.version for r in records}
+    return all(wire.reads_copy(versions.get(peer, "0")) for peer in route.peers)
+
+
+def _hops(route: Route) -> tuple[tuple[str, int, int], ...]:
+    return tuple((s.peer_id, s.start, s.end) for s in route.stages)
 
 
 def cut_steps(steps: Sequence[Sequence[int]], length: int) -> list[list[int]]:

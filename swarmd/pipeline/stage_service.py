@@ -316,6 +316,7 @@ class StageService:
             req.me.layers,
             resume=None if req.resume is None else (_kept_key(req, req.resume[0]), req.resume[1]),
             keep_as=_kept_key(req, sid) if req.keep else None,
+            copy=req.copy,
         )
         refused = False
         try:

@@ -6,7 +6,7 @@ last stage -> coordinator. Each stream starts with one frame saying what it is:
     open   {"t": "open", "sid", "hop", "route": [[peer, start, end], ...],
             "addrs": {peer: [multiaddr, ...]}, "coord", "model", "max_len",
             "sampling": {...}, "history": <int32 bytes>,
-            "keep"?: true, "resume"?: [sid, n]}                 upstream -> stage `hop`
+            "keep"?: true, "resume"?: [sid, n], "copy"?: true}  upstream -> stage `hop`
     ret    {"t": "ret", "sid", "reused"?: n}                    last stage -> coordinator
 
 then, downstream, one frame per chunk of tokens:
@@ -27,6 +27,9 @@ with `resume` [that session's sid, n]: each stage takes the kept cache cut to n 
 and passes `resume` on only when it did, so the last stage's `ret` says `reused` n when
 every stage holds the conversation's first n positions (0: the coordinator prefills from
 the start on a fresh session). Kept caches answer only to the coordinator that made them.
+With `copy` (since 0.5.2) each stage copies those n positions instead, and keeps the
+conversation for its own next turn: a request that only shares a start with it (the same
+system prompt, the same prompt again).
 
 `ms` lists each stage's compute milliseconds for this step so far, `ab` the activation
 bytes sent between stages. A stage that sees something fail sends
@@ -131,6 +134,7 @@ class OpenRequest:
     history: tuple[int, ...]  # reply tokens so far (a session rebuilt after a failover)
     keep: bool = False  # keep the session's cache when it ends (a next turn resumes it)
     resume: tuple[str, int] | None = None  # (sid, n): take that kept cache's first n positions
+    copy: bool = False  # with `resume`: copy those positions, the kept cache stays kept
 
     @property
     def me(self) -> RouteHop:
@@ -253,6 +257,7 @@ OPEN = Schema(
     (
         ("keep", Bool()),
         ("resume", Tuple((("sid", SID), ("n", Int(1, MAX_CONTEXT_TOKENS))))),
+        ("copy", Bool()),
     ),
 )
 RET = Schema(
@@ -337,11 +342,18 @@ RESUME_SINCE = (0, 4)
 # response_format); an older one refuses that format (a 400, nobody banned), so such a
 # request is routed past it.
 ANSWER_SINCE = (0, 5, 1)
+# The first whose stages read `copy` beside `resume` (a shared start copied, not taken).
+COPY_SINCE = (0, 5, 2)
 
 
 def reads_resume(version: str) -> bool:
     """Whether a stage of swarmd `version` reads `keep` and `resume` in an open."""
     return version_tuple(version) >= RESUME_SINCE
+
+
+def reads_copy(version: str) -> bool:
+    """Whether a stage of swarmd `version` reads `copy` in an open."""
+    return version_tuple(version) >= COPY_SINCE
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -397,6 +409,7 @@ def open_frame(req: OpenRequest) -> dict[str, Any]:
         history=ints_to_bytes(req.history),
         **({"keep": True} if req.keep else {}),
         **({} if req.resume is None else {"resume": [req.resume[0], req.resume[1]]}),
+        **({"copy": True} if req.copy and req.resume is not None else {}),
     )
 
 
@@ -543,6 +556,9 @@ def parse_open(frame: dict[str, Any], limits: StageLimits) -> OpenRequest:
     if resume is not None and resume[1] >= max_length:
         why = f"'resume' keeps {resume[1]} positions of a {max_length}-token session"
         raise MalformedFrameError(why)
+    copy = f.get("copy", False)
+    if copy and resume is None:
+        raise MalformedFrameError("'copy' without 'resume'")
     req = OpenRequest(
         f["sid"],
         hop,
@@ -555,6 +571,7 @@ def parse_open(frame: dict[str, Any], limits: StageLimits) -> OpenRequest:
         history,
         f.get("keep", False),
         None if resume is None else (resume[0], resume[1]),
+        copy,
     )
     me = req.me
     if me.peer_id != limits.peer_id:

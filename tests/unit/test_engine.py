@@ -424,7 +424,7 @@ def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path:
     key its open named, and a next turn's open takes it cut to n positions; both stages
     then compute what a fresh two-stage session does. A stage asked for a cache it no
     longer holds (another key, other layers, too short) takes nothing and says 0."""
-    from swarmd.model.runtime import StageRuntime
+    from swarmd.model.runtime import StageRuntime, StepRequest
     from swarmd.model.sampling import SamplingParams
 
     path, _ = make_tiny("llama", tmp_path)
@@ -456,15 +456,36 @@ def test_a_routes_stages_keep_a_session_by_key_and_resume_it_cut_short(tmp_path:
     assert kept[0].open("x", 96, None, prompt=[*fed, 3]) == 0
     assert kept[0].open("y", 96, None, resume=("coord/other.1", 10)) == 0
     turn2 = [*fed, int(reply[-1]), *prompt(6, seed=12)[0].tolist()]
+    fresh = two_stages()
+    # Another request that shares turn 1's start copies it on each stage (`copy`), twice
+    # at once, and the conversation stays kept for its own next turn.
+    shared = turn1[:18] + prompt(5, seed=13)[0].tolist()
+    for i, stage in enumerate(kept):
+        for sid in ("s.1", "s.2"):
+            opened = stage.open(sid, 96, greedy if i else None, resume=("coord/a.1", 18), copy=True)
+            assert opened == 18
+        assert stage.prefix_hits == 2 and stage.prefix_held_tokens >= len(fed)
+    hidden = kept[0].step_many(
+        [StepRequest(sid, torch.tensor([shared[18:]]), False) for sid in ("s.1", "s.2")]
+    )
+    copies = kept[1].step_many(
+        [StepRequest(sid, h.hidden, True) for sid, h in zip(("s.1", "s.2"), hidden, strict=True)]
+    )
+    for i, stage in enumerate(fresh):
+        stage.open("g.1", 96, greedy if i else None)
+    assert [c.token for c in copies] == [run(fresh, "g.1", shared)] * 2
+    for stage in (*kept, *fresh):
+        stage.close("s.1")
+        stage.close("s.2")
+        stage.close("g.1")
     n = len(fed) - 2  # a resume may take fewer positions than were kept
     for i, stage in enumerate(kept):
         assert stage.open("b.1", 96, greedy if i else None, resume=("coord/a.1", n)) == n
     got = run(kept, "b.1", turn2[n:])
-    fresh = two_stages()
     for i, stage in enumerate(fresh):
         stage.open("f.1", 96, greedy if i else None)
     assert run(fresh, "f.1", turn2) == got
-    assert all(stage.prefix_hits == 1 and stage.prefix_held_tokens == 0 for stage in kept)
+    assert all(stage.prefix_hits == 3 and "coord/a.1" not in stage._prefixes for stage in kept)
 
     # Taken once: a second resume of the same key finds nothing; nor does one of more
     # positions than were kept, nor one over other layers.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from swarmd.dht.records import NodeRecord
+from swarmd.model.prefix import MIN_PREFIX_TOKENS
 from swarmd.pipeline.kept import KeptConversations, cut_steps, serves
 from swarmd.pipeline.route import plan_route
 from tests.unit.test_route import MODEL, L
@@ -99,3 +100,49 @@ def test_cut_steps() -> None:
     assert cut_steps([[1, 2, 3], [4], [5]], 4) == [[1, 2, 3], [4]]
     assert cut_steps([[1, 2, 3], [4], [5]], 2) == [[1, 2]]
     assert cut_steps([[1, 2, 3]], 0) == []
+
+
+COPYING = [record(A, 0, 15, version="0.5.2"), record(B, 15, 30, version="0.5.2")]
+
+
+def test_a_shared_start_on_the_planned_route_is_copied_and_stays_kept() -> None:
+    """The same prompt again, or another that shares a long start with a kept
+    conversation (a system prompt), copies that start on every stage of the route
+    placement planned: the entry stays for the conversation's own next turn."""
+    kept = ledger()
+    planned = plan_route(MODEL, L, ME, COPYING)
+    again = kept.take(MODEL, [*PROMPT, 1, 2], COPYING, set(), planned)
+    assert again is not None
+    route, resume = again
+    assert route == planned and resume.copy and resume.sid == "chatcmpl-1.1"
+    assert resume.length == len(PROMPT) and resume.steps == [PROMPT[:32], PROMPT[32:]]
+    system = kept.take(MODEL, [*PROMPT[:30], 1, 2, 3], COPYING, set(), planned)
+    assert system is not None and system[1].copy and system[1].length == 30
+    assert system[1].steps == [PROMPT[:30]]
+    assert len(kept) == 1  # copied, never taken
+    # The conversation's next turn still takes it over, ahead of a copy.
+    turn2 = [*PROMPT, 500, 501, 7]
+    taken = kept.take(MODEL, turn2, COPYING, set(), planned)
+    assert taken is not None and not taken[1].copy and taken[1].length == len(PROMPT) + 2
+    assert len(kept) == 0
+
+
+def test_no_copy_off_the_planned_route_nor_through_stages_before_0_5_2() -> None:
+    short = [*PROMPT[: MIN_PREFIX_TOKENS - 1], 1, 2, 3]
+    planned = plan_route(MODEL, L, ME, COPYING)
+    assert ledger().take(MODEL, short, COPYING, set(), planned) is None  # under the minimum
+    assert ledger().take(MODEL, [*PROMPT, 1], COPYING, set(), None) is None  # none planned
+    other = [record(A, 0, 20, version="0.5.2"), record(B, 20, 30, version="0.5.2")]
+    elsewhere = plan_route(MODEL, L, ME, other)
+    assert [(s.start, s.end) for s in elsewhere.stages] == [(0, 20), (20, 30)]
+    assert ledger().take(MODEL, [*PROMPT, 1], [*COPYING, *other], set(), elsewhere) is None
+    old = plan_route(MODEL, L, ME, RECORDS)  # the same peers, at 0.4.0: they take, never copy
+    assert ledger().take(MODEL, [*PROMPT, 1], RECORDS, set(), old) is None
+    assert ledger().take(MODEL, [*PROMPT, 1], COPYING, {B}, planned) is None  # banned since
+
+
+def test_forget_drops_an_entry() -> None:
+    kept = ledger()
+    kept.forget("chatcmpl-1.1")
+    kept.forget("unknown.1")
+    assert len(kept) == 0

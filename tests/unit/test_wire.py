@@ -908,7 +908,7 @@ def built_frames() -> list[tuple[dict[str, Any], Any, Callable[[dict[str, Any]],
     """(frame, its declaration, its parser) for every frame a builder makes."""
     w = stage_wire
     return [
-        (open_frame(RESUMING), w.OPEN, lambda f: parse_open(f, LIMITS)),
+        (open_frame(replace(RESUMING, copy=True)), w.OPEN, lambda f: parse_open(f, LIMITS)),
         (ids_dict(), w.STEP_IDS, lambda f: parse_step(f, 0, True, LIMITS, torch.float32)),
         (hidden_dict(), w.STEP_HIDDEN, lambda f: parse_step(f, 4, False, LIMITS, torch.float32)),
         (
@@ -953,6 +953,24 @@ def test_keep_and_resume_travel_and_are_optional() -> None:
 def test_a_bad_resume_is_malformed(resume: Any) -> None:
     frame = {**open_frame(RESUMING), "resume": resume}
     malformed(lambda: parse_open(wire(frame), LIMITS), "resume")
+
+
+def test_copy_travels_beside_resume_only() -> None:
+    """A shared start (since 0.5.2): each stage copies the kept positions; the key is
+    only ever sent with `resume`, and one without it is malformed."""
+    copying = make_request(keep=True, resume=("chatcmpl-9f.1", 40), copy=True)
+    frame = open_frame(copying)
+    assert frame["copy"] is True
+    req = parse_open(wire(frame), LIMITS)
+    assert (req.resume, req.copy) == (("chatcmpl-9f.1", 40), True)
+    assert "copy" not in open_frame(RESUMING)
+    assert parse_open(wire(open_frame(RESUMING)), LIMITS).copy is False
+    assert "copy" not in open_frame(make_request(copy=True))  # nothing to copy
+    malformed(
+        lambda: parse_open(wire({**open_frame(make_request()), "copy": True}), LIMITS), "copy"
+    )
+    malformed(lambda: parse_open(wire({**frame, "copy": 1}), LIMITS), "copy")
+    assert stage_wire.reads_copy("0.5.2") and not stage_wire.reads_copy("0.5.1")
 
 
 @pytest.mark.parametrize("reused", [-1, "3", None, 1.5])
