@@ -45,6 +45,9 @@ from swarmd.net.rpc import PING_TIMEOUT_S, RpcService, call_ping
 from swarmd.net.safe_text import safe_text
 
 log = logging.getLogger(__name__)
+# A DIAG line that reports a state the node reached, not a failure: the diagnostics'
+# failure list (`pipeline.report.FailureRing`) leaves it out.
+NOTICE = {"notice": True}
 
 WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
 PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
@@ -371,7 +374,7 @@ class SwarmPresence:
         for peer_id in peer_ids:
             self.peers.seen(peer_id, now)
         if self.joining:
-            log.warning("DIAG: swarm joined through %d peer(s)", len(peer_ids))
+            log.warning("DIAG: swarm joined through %d peer(s)", len(peer_ids), extra=NOTICE)
         else:
             log.info("joined the swarm through %d bootstrap peer(s)", len(peer_ids))
         self.joining = False
@@ -501,13 +504,14 @@ class SwarmPresence:
                 self.reachability,
                 verdict.asked,
                 ",".join(verdict.reached) or "-",
+                extra=NOTICE,
             )
 
     async def _leave_relay(self, relay: Relay) -> None:
         """Found reachable: peers are told the direct addresses again."""
         relay.reserved_on = None
         self.host.relayed = []
-        log.warning("DIAG: reachable directly; circuit addresses withdrawn")
+        log.warning("DIAG: reachable directly; circuit addresses withdrawn", extra=NOTICE)
         if self._ready.is_set():
             await self._announce()
 
@@ -532,6 +536,7 @@ class SwarmPresence:
                     "DIAG: reachable through relay relay=%s addrs=%s",
                     peer_id[-8:],
                     ",".join(host.announced),
+                    extra=NOTICE,
                 )
                 if self._ready.is_set():
                     await self._announce()

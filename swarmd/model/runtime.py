@@ -460,6 +460,8 @@ class StageRuntime:
             return
         held = max(session.cache.length, int(getattr(session.cache, "capacity", 0)))
         self._prefixes.pop(key, None)
+        if held > self.prefix_tokens:
+            return  # it would push out every other conversation, and then itself
         kept = _Prefix(tokens, session.module, session.cache, held, session.prompt_length)
         self._prefixes[key] = kept
         while self._prefixes and self.prefix_held_tokens > self.prefix_tokens:

@@ -49,6 +49,10 @@ class Runtime(Protocol):
         history: list[int] | None = None,
         layers: LayerRange | None = None,
         prompt: list[int] | None = None,
+        share: str | None = None,
+        resume: tuple[str, int] | None = None,
+        keep_as: str | None = None,
+        copy: bool = False,
     ) -> int: ...
 
     def step_many(self, requests: list[StepRequest]) -> list[Any]: ...
@@ -226,9 +230,21 @@ class TorchWorker:
     # --- the queue, and batches of steps ---------------------------------------------
 
     def _next(self) -> Ticket | None:
-        """The oldest job not taken yet (blocking); None once the worker is to stop."""
+        """The oldest open not taken yet, else the oldest job (blocking); None once the
+        worker is to stop.
+
+        Opens go first: an open only sets a session up (a cache, maybe a copy of a kept
+        one: milliseconds), and its ring waits for every stage's open within one deadline
+        (`Ring.open`), while the prompts of sessions already open may queue a minute of
+        forwards here under load. A session's own jobs keep their order: its steps are
+        only sent once its open has answered."""
         while True:
             if self._pending:
+                self._drain()
+                for ticket in self._pending:
+                    if isinstance(ticket.job, OpenJob):
+                        self._pending.remove(ticket)
+                        return ticket
                 return self._pending.popleft()
             if self._stopping:
                 return None

@@ -16,6 +16,7 @@ from swarmd.errors import ClientDisconnectedError, InternalError
 from swarmd.model.sampling import Sampled, SamplingParams, TokenLogprobs
 from swarmd.model.text import IncrementalDetokenizer, StopMatcher, TextCodec
 from swarmd.pipeline import bounds
+from swarmd.pipeline.admission import unless_gone
 from swarmd.pipeline.chain import StageChain
 
 FinishReason = Literal["stop", "length"]
@@ -96,9 +97,13 @@ class Generation:
         detok = IncrementalDetokenizer(self._codec)
         stops = StopMatcher(req.stop)
         max_length = len(req.prompt_ids) + req.max_tokens
-        self.cached_tokens = await self.chain.open(
+        # The open and the prompt's forwards may take many seconds on a busy route: a
+        # client that leaves meanwhile is noticed within GONE_CHECK_S, not at the next
+        # chunk, so every stage frees the session at once.
+        opening = self.chain.open(
             req.request_id, max_length, req.sampling, req.prompt_ids, req.share
         )
+        self.cached_tokens = await unless_gone(opening, self._client_gone)
         drawn = await self._prefill()
         if self._on_prefilled is not None:
             self._on_prefilled()
@@ -162,7 +167,8 @@ class Generation:
         ]
         if not chunks:
             raise InternalError("prefill produced no token")
-        return await self.chain.prefill(chunks, self._stop_if_client_gone)
+        prefilled = self.chain.prefill(chunks, self._stop_if_client_gone)
+        return await unless_gone(prefilled, self._client_gone)
 
     async def _decode_one_token(self, token: int) -> Sampled:
         self._stop_if_client_gone()

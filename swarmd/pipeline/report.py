@@ -113,7 +113,8 @@ class Failure:
 
 
 class FailureRing(logging.Handler):
-    """The last N failures of this node: every `DIAG:` line logged at WARNING or above.
+    """The last N failures of this node: every `DIAG:` line logged at WARNING or above,
+    but for notices of a state reached (`dht.swarm.NOTICE`).
 
     A logging handler, so every failure path that logs its DIAG line (a stage failed, a
     peer banned, a bad frame, a refused chunk, a request that ended in error) lands here
@@ -129,7 +130,8 @@ class FailureRing(logging.Handler):
             message = record.getMessage()
         except (TypeError, ValueError):  # a bad format string: logging's problem, not ours
             return
-        if message.startswith("DIAG:"):
+        # A notice (`extra=NOTICE`: reachable, joined) is a DIAG line but no failure.
+        if message.startswith("DIAG:") and not getattr(record, "notice", False):
             self._failures.append(Failure(record.created, record.name, message))
 
     def recent(self) -> list[Failure]:

@@ -358,6 +358,12 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
         small.step(f"c{i}", torch.tensor([ids]), True)
         small.close(f"c{i}")
     assert small.prefix_held_tokens == 64 and list(small._prefixes) == ["c2"]
+    # A conversation larger than the whole cap is not kept, and pushes nothing out.
+    big = prompt(90, seed=40)[0].tolist()
+    small.open("big", 128, greedy, prompt=big)
+    small.step("big", torch.tensor([big]), True)
+    small.close("big")
+    assert list(small._prefixes) == ["c2"]
 
 
 def test_a_shared_start_is_copied_from_finished_and_running_conversations(

@@ -134,3 +134,40 @@ async def test_a_client_gone_while_its_text_went_out_stops_the_reply(codec: Text
             gone = True  # noticed once this delta is out: no wait for the step in flight
     assert seen == [" one"]
     assert chain.steps_started == 1 and chain.steps_cancelled == 1
+
+
+class SlowPrefillChain(StandInChain):
+    """A prompt's forwards that take longer than the test waits (a busy route)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.prefill_cancelled = asyncio.Event()
+
+    async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
+        before_each()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.prefill_cancelled.set()
+            raise
+        return Sampled(next(self._tokens))
+
+
+async def test_a_client_that_leaves_during_a_long_prefill_stops_it_at_once(
+    codec: TextCodec,
+) -> None:
+    """The check before each chunk cannot see a client that leaves while one chunk takes
+    many seconds on a busy route: the prefill is watched and cancelled within
+    GONE_CHECK_S, so the chain's owner frees every stage's session then."""
+    chain = SlowPrefillChain([5])
+    gone = False
+    request = GenerationRequest("req-1", "model", [1, 2, 3], 8, SamplingParams(temperature=0.0))
+    gen = Generation(request, chain, codec, 64, Timing(), client_gone=lambda: gone)  # type: ignore[arg-type]
+    events = gen.events()
+    first = asyncio.ensure_future(anext(events))
+    await asyncio.sleep(0.1)
+    assert not first.done()  # the prompt's forward is running
+    gone = True
+    with pytest.raises(ClientDisconnectedError):
+        await asyncio.wait_for(first, 5.0)
+    assert chain.prefill_cancelled.is_set()

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from swarmd.dht.swarm import NOTICE
 from swarmd.pipeline.report import FailureRing, FalseReports, RequestRecord, RequestRing
 
 PREFIX = "DIAG: request complete "
@@ -237,7 +238,7 @@ def test_recent_is_a_copy() -> None:
     assert [r.request_id for r in ring.recent()] == ["a", "b"]
 
 
-def test_the_failure_ring_keeps_diag_lines_at_warning_and_above() -> None:
+def test_the_failure_ring_keeps_diag_lines_at_warning_and_above_but_notices() -> None:
     ring = FailureRing(size=2)
     logger = logging.getLogger("swarmd.test-failure-ring")
     logger.addHandler(ring)
@@ -248,6 +249,7 @@ def test_the_failure_ring_keeps_diag_lines_at_warning_and_above() -> None:
         logger.warning("a warning that is not a DIAG line")
         logger.error("DIAG: peer banned peer=BBBB reason=%s", "garbage")
         logger.warning("DIAG: bad frame peer=CCCC")
+        logger.warning("DIAG: reachability public asked=3 reached=A,B", extra=NOTICE)
     finally:
         logger.removeHandler(ring)
     lines = [f.line for f in ring.recent()]

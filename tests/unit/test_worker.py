@@ -42,6 +42,7 @@ class FakeRuntime:
         share: str | None = None,
         resume: tuple[str, int] | None = None,
         keep_as: str | None = None,
+        copy: bool = False,
     ) -> int:
         self.calls.append(("open", session_id, threading.current_thread().name))
         return 0
@@ -186,6 +187,20 @@ async def test_steps_queued_together_run_as_one_batch_in_session_order(
     assert batches[-3:] == [["a", "b", "c"], ["a"], ["b"]]
     calls = [c[:2] for c in worker.runtime.calls]  # type: ignore[attr-defined]
     assert calls[-4:] == [("step", "c"), ("step", "a"), ("close", "b"), ("step", "b")]
+
+
+async def test_an_open_goes_before_the_steps_queued_ahead_of_it(worker: TorchWorker) -> None:
+    """Under load the forwards queued for open sessions may take a minute; a new
+    session's open (milliseconds) does not wait for them, as its ring would time out."""
+    busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+    await asyncio.sleep(0.05)  # the busy step is running: the rest queue behind it
+    jobs = [step("slow-a"), step("slow-b"), OpenJob("x", 10, None), OpenJob("y", 10, None)]
+    tasks = [asyncio.create_task(worker.run(job, 5)) for job in jobs]
+    await asyncio.sleep(0)
+    await busy
+    await asyncio.gather(*tasks)
+    calls = [c[:2] for c in worker.runtime.calls]  # type: ignore[attr-defined]
+    assert calls[-4:] == [("open", "x"), ("open", "y"), ("step", "slow-a"), ("step", "slow-b")]
 
 
 async def test_a_batch_keeps_to_its_token_budget() -> None:
