@@ -369,6 +369,9 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
             prompt_ids, tools = await asyncio.to_thread(_tools_prompt, req, model)
             param = "messages"
         elif isinstance(req, ChatCompletionRequest):
+            # No tools: "auto" and "none" mean nothing; "required" or a named function
+            # cannot be honoured, and says so (a 400) rather than answering in text.
+            check_tool_choice(req.tool_choice, ())
             prompt_ids = await asyncio.to_thread(_chat_prompt, req, model)
             param = "messages"
         else:
@@ -515,14 +518,14 @@ def _whole_choice(
     if reply.tools is not None:
         tools = reply.tools
         parsed = parse_tool_calls(text, tools.fmt, tools.names, certain=tools.certain)
+        # The content the stream gives (`_write_events`), with or without calls: the
+        # text around calls, without their markup or a cut call's.
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         if parsed.calls:
-            choice["message"] = {
-                "role": "assistant",
-                "content": parsed.content,
-                "tool_calls": [call.to_openai() for call in parsed.calls],
-            }
+            message["tool_calls"] = [call.to_openai() for call in parsed.calls]
             if gen.finish_reason == "stop":
                 choice["finish_reason"] = "tool_calls"
+        choice["message"] = message
     if reply.return_token_ids:
         choice["token_ids"] = list(gen.tokens)
     return choice

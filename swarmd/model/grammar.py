@@ -339,17 +339,22 @@ def _matcher(spec: GrammarSpec, vocab: Vocabulary) -> llguidance.LLMatcher:
         raise _refusal(param, f"unknown grammar kind {spec.kind!r}")
     if len(spec.source.encode()) > MAX_GRAMMAR_BYTES:
         raise _refusal(param, f"the schema is over {MAX_GRAMMAR_BYTES} bytes")
-    if spec.kind == "json_object":
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out({"type": "object"}))
-    elif spec.kind == "json_schema":
-        schema = _json_value(spec.source, param)
-        if not isinstance(schema, dict):
-            raise _refusal(param, "the schema is not a JSON object")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out(_closed(schema)))
-    else:
-        grammar = llguidance.LLMatcher.grammar_from_lark(
-            _tool_calls_lark(ToolCallFormat.from_json(spec.source))
-        )
+    try:
+        if spec.kind == "json_object":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out({"type": "object"}))
+        elif spec.kind == "json_schema":
+            schema = _json_value(spec.source, param)
+            if not isinstance(schema, dict):
+                raise _refusal(param, "the schema is not a JSON object")
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out(_closed(schema)))
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                _tool_calls_lark(ToolCallFormat.from_json(spec.source))
+            )
+    except (ValueError, TypeError, OverflowError) as exc:
+        # What the client's schema holds that llguidance cannot take in (an integer past
+        # 64 bits, anywhere, even in `default` or `examples`): the request's fault.
+        raise _refusal(param, f"the schema cannot be enforced: {exc}") from exc
     # The constructor never raises for a grammar's faults: it enters an error state.
     matcher = llguidance.LLMatcher(vocab._llg, grammar, log_level=0, limits=_LIMITS)
     if matcher.is_error():

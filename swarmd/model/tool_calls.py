@@ -244,6 +244,8 @@ class ToolCallStreamer:
                 return len(buf), None
         at = buf.find(syntax.open)
         if at < 0:
+            if final and self._cut_marker(buf):
+                return len(buf), []
             keep = 0 if final else _partial_suffix(buf, syntax.open)
             return (len(buf) - keep, None) if len(buf) > keep else None
         if at > 0:
@@ -256,7 +258,9 @@ class ToolCallStreamer:
         syntax, buf = self._syntax, self._buf
         j = _skip_ws(buf, start)
         if j == len(buf):
-            return _BROKEN if final else None
+            if not final:
+                return None
+            return (len(buf), []) if self._certain and start else _BROKEN  # a cut marker
         if buf[j] != ("{" if syntax.shape == "wrapped" else "["):
             return _BROKEN
         reader = self._read(j)
@@ -336,9 +340,19 @@ class ToolCallStreamer:
         unless (certain) some of its calls were announced: those end where it broke."""
         at = reader.resume(len(self._buf)) if self._certain else None
         if at is None:
+            if self._certain and reader.state == "open":
+                # Cut by the end of the reply before a name was whole: only calls could
+                # come out, so this is one, with nothing to announce, and no content.
+                return len(self._buf), []
             return _BROKEN
         self._release(reader, finished=True)
         return at, []
+
+    def _cut_marker(self, buf: str) -> bool:
+        """Certain, at the end: `buf` is whitespace and then the start of a call's marker
+        ("<tool_c"), which the end of the reply cut (only calls could come out)."""
+        rest = buf[_skip_ws(buf, 0) :]
+        return self._certain and bool(rest) and self._syntax.open.startswith(rest)
 
     def _release(self, reader: _Reader, finished: bool) -> None:
         """Certain: announce each named call once, send what its arguments grew by; a call

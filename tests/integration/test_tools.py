@@ -193,6 +193,42 @@ async def test_none_never_calls(api: openai.AsyncOpenAI) -> None:
         assert reply.choices[0].finish_reason in ("stop", "length")
 
 
+async def test_text_beside_tools_is_the_same_streamed_or_not(api: openai.AsyncOpenAI) -> None:
+    """A reply that calls nothing and ends in whitespace (token 216 is " " for this
+    tokenizer, pushed to come every time): the stream holds whitespace back (a call may
+    follow it) and drops what is left at the end, so the whole reply says what the
+    stream said. Before 0.5.2 the whole reply kept the raw text, whitespace and all."""
+    for bias in ({"26843": 100}, {"216": 100}):  # "Hi" each time; " " each time
+        fields = ask(max_tokens=3, temperature=0, logit_bias=bias)
+        whole = await api.chat.completions.create(**fields)
+        streamed = ""
+        async for chunk in await api.chat.completions.create(**fields, stream=True):
+            for choice in chunk.choices:
+                streamed += choice.delta.content or ""
+        assert (whole.choices[0].message.content or "") == streamed
+        assert streamed == ("HiHiHi" if "26843" in bias else "")
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}]
+)
+async def test_a_tool_choice_that_needs_tools_without_them_is_a_400(
+    api: openai.AsyncOpenAI, choice: Any
+) -> None:
+    """Before 0.5.2 the choice went unheeded and the reply was text."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4, tool_choice=choice
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "tool_choice", error
+    for harmless in ("auto", "none"):  # nothing to choose from: no effect
+        reply = await api.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=4, tool_choice=harmless
+        )
+        assert reply.choices[0].message.tool_calls is None
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [

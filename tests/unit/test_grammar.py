@@ -526,6 +526,11 @@ BAD_SCHEMAS = {
     "unknown format": '{"type": "string", "format": "frobnicate"}',
     "dangling ref": '{"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}',
     "oversize": json.dumps({"type": "object", "description": "x" * MAX_GRAMMAR_BYTES}),
+    # Integers past 64 bits, which llguidance cannot take in (a 500 before 0.5.2).
+    "huge minimum": '{"type": "integer", "minimum": 100000000000000000000}',
+    "huge default": '{"type": "object", "properties": {"n": {"type": "integer", '
+    '"default": 100000000000000000000}}}',
+    "huge enum": '{"enum": [1, -100000000000000000000]}',
 }
 
 

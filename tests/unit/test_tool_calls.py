@@ -520,6 +520,33 @@ def test_a_certain_call_cut_short_keeps_what_was_streamed() -> None:
         check_events(events, tc.ParsedReply(None, streamer.calls))
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "<tool_c",
+        "  <tool_call>",
+        '<tool_call>\n{"name": "get_ti',
+        '<tool_call>\n{"na',
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool',
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "',
+    ],
+)
+def test_certain_hides_a_call_the_end_cut_before_its_name(reply: str) -> None:
+    """Only calls can come out (tool_choice required or named): max_tokens may cut one
+    before its name is whole. That is no content (before 0.5.2 the client got
+    "<tool_call" as the reply); the calls before it stand, streamed or not."""
+    fmt = FORMATS["hermes"]
+    parsed = tc.parse_tool_calls(reply, fmt, NAMES, certain=True)
+    assert parsed.content is None
+    whole = reply.count("</tool_call>")
+    assert [c.name for c in parsed.calls] == ["get_time"] * whole
+    for deltas in splits(reply, random.Random(2)):
+        events, streamer = stream(fmt, deltas, certain=True)
+        assert streamer.content is None and len(streamer.calls) == whole
+        check_events(events, tc.ParsedReply(None, streamer.calls))
+    assert tc.parse_tool_calls(reply, fmt, NAMES).content is not None  # uncertain: text
+
+
 def test_certain_is_never_a_call_before_a_known_name() -> None:
     """Until the name is read and known, certain holds as uncertain does: text that is
     no call is content, whole."""
