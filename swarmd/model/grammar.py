@@ -367,26 +367,82 @@ def _laid_out(schema: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in schema.items() if k != "x-guidance"}, "x-guidance": _LAYOUT}
 
 
-def _closed(schema: Any) -> Any:
+def _closed(schema: Any, root: Any = None) -> Any:
     """`additionalProperties: false` on every object that lists properties and is silent.
 
     Only subschemas are visited: a `const` or `enum` value, or a property that happens to
-    be named "properties", is data and stays as it is."""
+    be named "properties", is data and stays as it is. An `allOf` of plain objects (the
+    usual `allOf: [{"$ref": Base}]` beside its own `properties`) is merged into the
+    schema first: closed one by one, each branch would refuse the others' properties,
+    and no object could satisfy them all."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    root = schema if root is None else root
+    out = _merge_all_of(dict(schema), root)
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
+            out[key] = _closed(out[key], root)
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
+            out[key] = [_closed(s, root) for s in out[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
+            out[key] = {name: _closed(s, root) for name, s in out[key].items()}
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+# What an `allOf` branch may say to be merged into its parent: a plain object.
+_MERGEABLE = frozenset({"type", "properties", "required", "title", "description"})
+
+
+def _merge_all_of(schema: dict[str, Any], root: Any) -> dict[str, Any]:
+    """`schema` with the plain-object branches of its `allOf` (inline, or a local `$ref`
+    to one) merged in: their properties beside its own (a name in both must satisfy
+    both), their `required` added. Other branches stay in `allOf`."""
+    branches = schema.get("allOf")
+    own = schema.get("properties", {})
+    if not isinstance(branches, list) or not isinstance(own, dict):
+        return schema
+    properties, required, rest = dict(own), list(schema.get("required") or []), []
+    for branch in branches:
+        target = _local_ref(branch, root)
+        plain = isinstance(target, dict) and set(target) <= _MERGEABLE
+        props = target.get("properties", {}) if plain else None
+        if not plain or not isinstance(props, dict) or target.get("type", "object") != "object":
+            rest.append(branch)
+            continue
+        for name, sub in props.items():
+            properties[name] = {"allOf": [properties[name], sub]} if name in properties else sub
+        required += [n for n in target.get("required") or [] if n not in required]
+    if len(rest) == len(branches):
+        return schema
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    out["properties"] = properties
+    out.setdefault("type", "object")
+    if required:
+        out["required"] = required
+    if rest:
+        out["allOf"] = rest
+    return out
+
+
+def _local_ref(branch: Any, root: Any) -> Any:
+    """What a branch `{"$ref": "#/..."}` points to in `root` (None when it cannot be
+    found); any other branch as it is."""
+    if not (isinstance(branch, dict) and set(branch) == {"$ref"}):
+        return branch
+    ref = branch["$ref"]
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
