@@ -36,8 +36,9 @@ class LocalChain:
         prompt: list[int],
         share: str | None = None,
     ) -> int:
-        # Set before the await: if the caller times out while the worker opens it, close()
-        # still frees it (the queue is FIFO, so the close runs after the open).
+        # Set before the await: if the caller times out or leaves while the worker opens
+        # it, close() still frees it (an open not started by then is skipped, and one
+        # running ends before the close, queued after it, runs).
         self._session_id = session_id
         job = OpenJob(session_id, max_length, sampling, prompt=tuple(prompt), share=share)
         return int(await self._worker.run(job, self._timeout_s))
