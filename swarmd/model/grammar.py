@@ -402,20 +402,23 @@ def _merge_all_of(schema: dict[str, Any], root: Any) -> dict[str, Any]:
     to one) merged in: their properties beside its own (a name in both must satisfy
     both), their `required` added. Other branches stay in `allOf`."""
     branches = schema.get("allOf")
-    own = schema.get("properties", {})
-    if not isinstance(branches, list) or not isinstance(own, dict):
-        return schema
-    properties, required, rest = dict(own), list(schema.get("required") or []), []
+    own, wanted = schema.get("properties", {}), schema.get("required", [])
+    if not (isinstance(branches, list) and isinstance(own, dict) and isinstance(wanted, list)):
+        return schema  # (a malformed schema stays as it came: llguidance says what is wrong)
+    properties, required, rest = dict(own), list(wanted), []
     for branch in branches:
         target = _local_ref(branch, root)
         plain = isinstance(target, dict) and set(target) <= _MERGEABLE
         props = target.get("properties", {}) if plain else None
-        if not plain or not isinstance(props, dict) or target.get("type", "object") != "object":
+        needs = target.get("required", []) if plain else None
+        if not (isinstance(props, dict) and isinstance(needs, list)) or (
+            target.get("type", "object") != "object"
+        ):
             rest.append(branch)
             continue
         for name, sub in props.items():
             properties[name] = {"allOf": [properties[name], sub]} if name in properties else sub
-        required += [n for n in target.get("required") or [] if n not in required]
+        required += [n for n in needs if n not in required]
     if len(rest) == len(branches):
         return schema
     out = {k: v for k, v in schema.items() if k != "allOf"}
