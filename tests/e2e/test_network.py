@@ -209,18 +209,26 @@ def test_a_long_prompt_over_40_ms_links_pays_the_latency_about_once(
     """Prompt chunks flow through the stages one behind the other, so the first token
     comes within one node's time plus two round trips (not a round trip per chunk)."""
     prompt = " ".join([LONG_PROMPT] * 3)  # about 1,500 tokens: six chunks
-    body = chat_body(prompt, 1)
-    reference, _ = complete(one_thread_node, body)
-    assert reference["usage"]["prompt_tokens"] > 5 * 256
-    one_node = min(complete(one_thread_node, body)[0]["swarm"]["timing"]["ttft_ms"] for _ in "ab")
+
+    def body(run: str) -> dict[str, Any]:
+        # Each run its own first words: a prompt asked again would be copied from the
+        # cache (prefix reuse), and only its last token prefilled.
+        return chat_body(f"Run {run}. {prompt}", 1)
+
+    def ttft(reply: dict[str, Any]) -> float:
+        assert reply["usage"]["prompt_tokens"] > 5 * 256
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] < 40
+        return float(reply["swarm"]["timing"]["ttft_ms"])
+
+    one_node = min(ttft(complete(one_thread_node, body(f"one {k}"))[0]) for k in "ab")
     wan.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
     try:
-        replies = [complete(wan["a"].node, body)[0] for _ in "ab"]
+        replies = {k: complete(wan["a"].node, body(f"links {k}"))[0] for k in "ab"}
     finally:
         wan.shape(delay_ms=0, jitter_ms=0)
-    for reply in replies:
-        assert ids(reply) == ids(reference)
-    over_links = min(r["swarm"]["timing"]["ttft_ms"] for r in replies)
+    for k, reply in replies.items():
+        assert ids(reply) == ids(complete(one_thread_node, body(f"links {k}"))[0])
+    over_links = min(ttft(r) for r in replies.values())
     assert over_links <= one_node + 2 * 1000 * RTT_S, (over_links, one_node)
 
 
@@ -229,13 +237,18 @@ def test_replies_through_a_10_mbit_link_equal_one_nodes(
 ) -> None:
     wan.shape(rate_mbit=10.0)
     try:
-        body = chat_body(LONG_PROMPT, 12)
+        # Its own first words: a start shared with an earlier prompt is copied on the
+        # stages (prefix reuse), and its hidden states never cross the link.
+        body = chat_body("Over a slow link. " + LONG_PROMPT, 12)
         reference, _ = complete(embedded_node, body)
         reply, _ = complete(wan["a"].node, body)
         assert ids(reply) == ids(reference)
-        # The prompt's hidden states (576 bfloat16 values a token) crossed the capped link
-        # before the first token: 10 Mbit/s is 1.25 MB/s.
-        hidden_bytes = reply["usage"]["prompt_tokens"] * 576 * 2
+        # The prefilled tokens' hidden states (576 bfloat16 values a token) crossed the
+        # capped link before the first token: 10 Mbit/s is 1.25 MB/s.
+        usage = reply["usage"]
+        fed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        assert fed > 200
+        hidden_bytes = fed * 576 * 2
         assert reply["swarm"]["timing"]["ttft_ms"] >= 1000 * hidden_bytes / 1.25e6
     finally:
         wan.shape(rate_mbit=0.0)

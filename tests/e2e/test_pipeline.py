@@ -226,7 +226,9 @@ def test_three_stages_give_the_single_node_tokens(
             assert headers["x-swarm-nodes"] == ",".join(route)
             assert reply["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
             assert reply["choices"][0]["message"] == reference["choices"][0]["message"]
-            assert reply["usage"] == reference["usage"]
+            # The counts; not cached_tokens: which nodes copied a shared start differs.
+            for count in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                assert reply["usage"][count] == reference["usage"][count]
             swarm = reply["swarm"]
             assert swarm["failovers"] == 0
             assert [s["node"] for s in swarm["segments"]] == route
@@ -513,9 +515,13 @@ def test_a_resumed_turn_whose_stage_is_killed_fails_over_to_the_same_text(swarm:
 
     reference, cached = run(kill=False)
     assert reference.swarm is not None and reference.swarm["failovers"] == 0 and cached
-    stream, cached_again = run(kill=True)  # turn 1 again: not a continuation, kept anew
+    # Turn 1 again (a copy of its kept start, then kept anew), and turn 2 again: it
+    # continues turn 1, and is also the first run's turn 2 asked again, the longer reuse
+    # (a copy of all of its prompt but the last token, since 0.5.2). Either is resumed
+    # state the standby must be fed.
+    stream, cached_again = run(kill=True)
     assert stream.swarm is not None and stream.swarm["failovers"] == 1
-    assert cached_again == cached
+    assert cached is not None and cached_again is not None and cached_again >= cached
     assert stream.text == reference.text
     assert stream.finish_reason == reference.finish_reason
 
