@@ -29,18 +29,24 @@ def shared_start(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def continued(kept: Sequence[int], kept_prompt_length: int, prompt: Sequence[int]) -> int:
-    """How many leading positions of a kept conversation (`kept`: the ids its cache holds,
-    its prompt then its reply) a new `prompt` may reuse; 0 when it is no continuation.
+def reuse(kept: Sequence[int], kept_prompt_length: int, prompt: Sequence[int]) -> tuple[int, int]:
+    """What a new `prompt` may reuse of a kept conversation (`kept`: the ids its cache
+    holds, its prompt then its reply): (positions a continuation takes over, positions a
+    shared start may copy), 0 where neither. Both are the shared start, at most all but
+    the prompt's last token (always run for its logits), and at least MIN_PREFIX_TOKENS.
 
     A continuation shares the conversation's whole prompt and then some of its reply: the
     next turn, which may take the cache over. Another request with the same system
-    prompt, or the same prompt again, is not one: it may only copy the shared start
-    (`StageRuntime._adopt`), since the conversation's own next turn may still come. The
-    prompt's last token is always run for its logits, so at most all but it are reused.
+    prompt, or the same prompt again, is not one: it may only copy the shared start,
+    since the conversation's own next turn may still come.
     """
     shared = shared_start(kept, prompt)
-    if shared <= kept_prompt_length:
-        return 0
-    reuse = min(shared, len(prompt) - 1)
-    return reuse if reuse >= MIN_PREFIX_TOKENS else 0
+    copy = min(shared, len(prompt) - 1)
+    if copy < MIN_PREFIX_TOKENS:
+        return 0, 0
+    return (copy if shared > kept_prompt_length else 0), copy
+
+
+def continued(kept: Sequence[int], kept_prompt_length: int, prompt: Sequence[int]) -> int:
+    """What a continuation of `kept` takes over (`reuse`); 0 when `prompt` is none."""
+    return reuse(kept, kept_prompt_length, prompt)[0]

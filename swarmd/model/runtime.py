@@ -17,7 +17,7 @@ import torch
 from swarmd.errors import ContextLengthError, InternalError, OverloadedError, SwarmError
 from swarmd.model.grammar import GrammarSpec
 from swarmd.model.layers import LayerRange
-from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued, shared_start
+from swarmd.model.prefix import MIN_PREFIX_TOKENS, reuse
 from swarmd.model.rows import Row
 from swarmd.model.sampler import Sampler
 from swarmd.model.sampling import Constraint, Sampled, SamplingParams, TokenLogprobs
@@ -255,14 +255,23 @@ class StageRuntime:
         nothing worth reusing."""
         if not prompt or self.prefix_tokens <= 0:
             return 0, None
-        best_key, best = None, 0
+        best_key, best = None, 0  # a kept conversation `prompt` continues: taken over
+        source, shared = None, 0  # the longest start it shares with any: copied
         for key, kept in self._prefixes.items():
             if kept.module is not module or kept.tokens is None:
                 continue
-            reuse = continued(kept.tokens, kept.prompt_length, prompt)
-            if reuse > best:
-                best_key, best = key, reuse
-        source, shared = self._shared_start(module, prompt)
+            take, copy = reuse(kept.tokens, kept.prompt_length, prompt)
+            if take > best:
+                best_key, best = key, take
+            if copy > shared:
+                source, shared = kept.cache, copy
+        for session in self._sessions.values():  # running: only ever copied
+            if session.module is module and session.pending is None and session.tokens:
+                copy = min(reuse(session.tokens, 0, prompt)[1], session.cache.length)
+                if copy > shared and copy >= MIN_PREFIX_TOKENS:
+                    source, shared = session.cache, copy
+        # Copying is exact: a position's bits do not depend on the chunk that computed
+        # it (engine/attention.py). A continuation at least as long is taken instead.
         if shared > best and source is not None:
             cache = module.fork_cache(source, shared, max_length)
             if cache is not None:
@@ -272,28 +281,6 @@ class StageRuntime:
         if best_key is None:
             return 0, None
         return self._take(best_key, best, max_length)
-
-    def _shared_start(self, module: Stage, prompt: list[int]) -> tuple[Any, int]:
-        """The cache (of a kept conversation or an open session over `module`) whose ids
-        begin with the longest start of `prompt`, and that start's length: at most all
-        but the prompt's last token (run for its logits), and (None, 0) under
-        MIN_PREFIX_TOKENS. Copying it is exact: a position's bits do not depend on the
-        chunk that computed it (engine/attention.py)."""
-        best_cache, best = None, MIN_PREFIX_TOKENS - 1
-        limit = len(prompt) - 1
-        candidates = [(p.tokens, p.cache) for p in self._prefixes.values() if p.module is module]
-        candidates += [
-            (s.tokens, s.cache)
-            for s in self._sessions.values()
-            if s.module is module and s.pending is None
-        ]
-        for tokens, cache in candidates:
-            if tokens is None or len(tokens) <= best:
-                continue
-            held = min(shared_start(tokens, prompt), limit, int(getattr(cache, "length", 0)))
-            if held > best:
-                best_cache, best = cache, held
-        return (best_cache, best) if best_cache is not None else (None, 0)
 
     def _resume(
         self, module: Stage, key: str, length: int, max_length: int, copy: bool = False

@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from swarmd.dht.records import NodeRecord
-from swarmd.model.prefix import MIN_PREFIX_TOKENS, continued, shared_start
+from swarmd.model.prefix import reuse
 from swarmd.pipeline import wire
 from swarmd.pipeline.route import Route
 
@@ -101,15 +101,20 @@ class KeptConversations:
         with a conversation kept on that same route, to copy (its entry stays). None:
         nothing to reuse."""
         self._expire()
-        best: tuple[int, Kept] | None = None
+        copyable = planned is not None and copies(planned, records)
+        hops = _hops(planned) if planned is not None else ()
+        best: tuple[int, Kept] | None = None  # a continuation: taken
+        shared: tuple[int, Kept] | None = None  # a start kept on the planned route: copied
         for kept in self._entries.values():
             if kept.model_id != model_id or not serves(kept.route, records, banned):
                 continue
-            reuse = continued(kept.tokens, kept.prompt_length, prompt)
+            take, copy = reuse(kept.tokens, kept.prompt_length, prompt)
             # On a tie the newest: its stages are the likeliest to keep it still.
-            if reuse and (best is None or reuse >= best[0]):
-                best = (reuse, kept)
-        shared = self._shared(model_id, prompt, records, banned, planned)
+            if take and (best is None or take >= best[0]):
+                best = (take, kept)
+            on_route = copyable and _hops(kept.route) == hops
+            if copy and on_route and (shared is None or copy >= shared[0]):
+                shared = (copy, kept)
         if planned is not None and shared is not None and (best is None or shared[0] > best[0]):
             length, kept = shared
             self._entries.move_to_end(kept.sid)  # recently used: the last to go
@@ -123,30 +128,6 @@ class KeptConversations:
     def forget(self, sid: str) -> None:
         """Drop an entry its route no longer holds (a copy of it missed on a stage)."""
         self._entries.pop(sid, None)
-
-    def _shared(
-        self,
-        model_id: str,
-        prompt: Sequence[int],
-        records: Sequence[NodeRecord],
-        banned: Collection[str],
-        planned: Route | None,
-    ) -> tuple[int, Kept] | None:
-        """The longest start of `prompt` (all but its last token at most) a conversation
-        kept on the `planned` route holds, when every stage of it copies (COPY_SINCE)."""
-        if planned is None or not copies(planned, records):
-            return None
-        hops = _hops(planned)
-        best: tuple[int, Kept] | None = None
-        for kept in self._entries.values():
-            if kept.model_id != model_id or _hops(kept.route) != hops:
-                continue
-            if not serves(kept.route, records, banned):
-                continue
-            length = min(shared_start(kept.tokens, prompt), len(prompt) - 1)
-            if length >= MIN_PREFIX_TOKENS and (best is None or length >= best[0]):
-                best = (length, kept)
-        return best
 
     def _expire(self) -> None:
         oldest = self._clock() - self._max_age_s
