@@ -267,7 +267,9 @@ class StageRuntime:
                 source, shared = kept.cache, copy
         for session in self._sessions.values():  # running: only ever copied
             if session.module is module and session.pending is None and session.tokens:
-                copy = min(reuse(session.tokens, 0, prompt)[1], session.cache.length)
+                # (a transformers cache has no `length`: it is never copied)
+                held = int(getattr(session.cache, "length", 0))
+                copy = min(reuse(session.tokens, 0, prompt)[1], held)
                 if copy > shared and copy >= MIN_PREFIX_TOKENS:
                     source, shared = session.cache, copy
         # Copying is exact: a position's bits do not depend on the chunk that computed
