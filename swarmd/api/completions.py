@@ -34,7 +34,7 @@ from swarmd.errors import (
     ModelNotFoundError,
     SwarmError,
 )
-from swarmd.model.grammar import GrammarSpec, ToolCallFormat
+from swarmd.model.grammar import GrammarSpec, ToolCallFormat, check_tool_parameters
 from swarmd.model.sampling import SamplingParams, random_seed
 from swarmd.model.tool_calls import StreamEvent, ToolCallStreamer, parse_tool_calls
 from swarmd.model.tool_prompt import (
@@ -266,6 +266,8 @@ def _tools_prompt(req: ChatCompletionRequest, model: Routed) -> tuple[list[int],
     codec = model.codec
     template = codec.chat_template or ""
     functions = check_tools(req.tools) if req.tools is not None else []
+    if functions:  # (a vocabulary is built on the first use: about 1 s, once)
+        check_tool_parameters(functions, model.grammar_vocabulary)
     names = [f.name for f in functions]
     mode, named = check_tool_choice(req.tool_choice, names)
     family = detect_family(codec.chat_template)

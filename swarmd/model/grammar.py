@@ -37,7 +37,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
@@ -62,6 +62,7 @@ _ERROR_CHARS = 300  # of a library message quoted back to the client
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _SEPARATORS = (", ", ": ")
+_NO_ARGUMENTS = {"type": "object", "properties": {}}  # a function that lists no parameters
 _LAYOUT = {
     "whitespace_flexible": False,
     "item_separator": _SEPARATORS[0],
@@ -196,35 +197,35 @@ class ToolCallFormat:
         """Parse and check a `tool_calls` source; InvalidRequestError naming `tools`."""
         data = _json_value(text, "tools")
         if not isinstance(data, dict):
-            raise _refusal("tools", "the tool call format is not a JSON object")
+            raise _Refusal("tools", "the tool call format is not a JSON object")
         unknown = set(data) - {"functions", "parallel", "answer", *_FORMAT_TEXTS}
         if unknown:
-            raise _refusal("tools", f"unknown keys in the tool call format: {sorted(unknown)}")
+            raise _Refusal("tools", f"unknown keys in the tool call format: {sorted(unknown)}")
         raw = data.get("functions")
         if not isinstance(raw, list) or not 1 <= len(raw) <= MAX_TOOL_FUNCTIONS:
-            raise _refusal("tools", f"between 1 and {MAX_TOOL_FUNCTIONS} functions are needed")
+            raise _Refusal("tools", f"between 1 and {MAX_TOOL_FUNCTIONS} functions are needed")
         functions = tuple(_function(item) for item in raw)
         names = [f.name for f in functions]
         if len(set(names)) != len(names):
-            raise _refusal("tools", "two functions have the same name")
+            raise _Refusal("tools", "two functions have the same name")
         texts: dict[str, str] = {}
         for key in _FORMAT_TEXTS:
             value = data.get(key, getattr(cls, key))
             if not isinstance(value, str) or len(value) > MAX_WRAPPER_CHARS:
-                raise _refusal("tools", f"'{key}' must be a string of at most 256 characters")
+                raise _Refusal("tools", f"'{key}' must be a string of at most 256 characters")
             texts[key] = value
         if not texts["name_key"] or not texts["arguments_key"]:
-            raise _refusal("tools", "'name_key' and 'arguments_key' must not be empty")
+            raise _Refusal("tools", "'name_key' and 'arguments_key' must not be empty")
         if texts["name_key"] == texts["arguments_key"]:
-            raise _refusal("tools", "'name_key' and 'arguments_key' must differ")
+            raise _Refusal("tools", "'name_key' and 'arguments_key' must differ")
         parallel = data.get("parallel", True)
         if not isinstance(parallel, bool):
-            raise _refusal("tools", "'parallel' must be true or false")
+            raise _Refusal("tools", "'parallel' must be true or false")
         answer = data.get("answer", "")
         if not isinstance(answer, str) or (
             answer and not isinstance(_json_value(answer, "response_format"), dict)
         ):
-            raise _refusal("response_format", "the answer's schema is not a JSON object")
+            raise _Refusal("response_format", "the answer's schema is not a JSON object")
         return cls(functions, parallel=parallel, answer=answer, **texts)
 
 
@@ -233,13 +234,13 @@ _FORMAT_TEXTS = ("prefix", "begin", "end", "separator", "suffix", "name_key", "a
 
 def _function(item: object) -> ToolFunction:
     if not isinstance(item, dict) or set(item) - {"name", "parameters"}:
-        raise _refusal("tools", "a function is {'name': ..., 'parameters': {...}}")
+        raise _Refusal("tools", "a function is {'name': ..., 'parameters': {...}}")
     name = item.get("name")
     if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
-        raise _refusal("tools", f"a function name must match {_FUNCTION_NAME.pattern}")
+        raise _Refusal("tools", f"a function name must match {_FUNCTION_NAME.pattern}")
     parameters = item.get("parameters", {})
     if not isinstance(parameters, dict):
-        raise _refusal("tools", f"the parameters of '{name}' are not a JSON schema object")
+        raise _Refusal("tools", f"the parameters of '{name}' are not a JSON schema object")
     return ToolFunction(name, parameters)
 
 
@@ -333,19 +334,35 @@ def compile_grammar(spec: GrammarSpec, vocab: Vocabulary) -> CompiledGrammar:
     return found
 
 
+def check_tool_parameters(functions: Sequence[ToolFunction], vocab: Vocabulary) -> None:
+    """Each function's `parameters` compiled as the schema its arguments must match
+    (cached): InvalidRequestError naming `tools[i].function.parameters` of the first
+    that cannot be enforced. Under tool_choice "auto" no grammar holds the calls, and a
+    forced call's grammar would name only `tools`: a schema the model's calls can never
+    be held to is the request's fault either way."""
+    for i, function in enumerate(functions):
+        schema = function.parameters or _NO_ARGUMENTS
+        spec = GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False))
+        try:
+            compile_grammar(spec, vocab)
+        except _Refusal as exc:
+            where = f"tools[{i}].function.parameters"
+            raise _Refusal(where, exc.reason) from exc
+
+
 def _matcher(spec: GrammarSpec, vocab: Vocabulary) -> llguidance.LLMatcher:
     param = spec.param
     if spec.kind not in GRAMMAR_KINDS:
-        raise _refusal(param, f"unknown grammar kind {spec.kind!r}")
+        raise _Refusal(param, f"unknown grammar kind {spec.kind!r}")
     if len(spec.source.encode()) > MAX_GRAMMAR_BYTES:
-        raise _refusal(param, f"the schema is over {MAX_GRAMMAR_BYTES} bytes")
+        raise _Refusal(param, f"the schema is over {MAX_GRAMMAR_BYTES} bytes")
     try:
         if spec.kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out({"type": "object"}))
         elif spec.kind == "json_schema":
             schema = _json_value(spec.source, param)
             if not isinstance(schema, dict):
-                raise _refusal(param, "the schema is not a JSON object")
+                raise _Refusal(param, "the schema is not a JSON object")
             grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out(_closed(schema)))
         else:
             grammar = llguidance.LLMatcher.grammar_from_lark(
@@ -354,11 +371,11 @@ def _matcher(spec: GrammarSpec, vocab: Vocabulary) -> llguidance.LLMatcher:
     except (ValueError, TypeError, OverflowError) as exc:
         # What the client's schema holds that llguidance cannot take in (an integer past
         # 64 bits, anywhere, even in `default` or `examples`): the request's fault.
-        raise _refusal(param, f"the schema cannot be enforced: {exc}") from exc
+        raise _Refusal(param, f"the schema cannot be enforced: {exc}") from exc
     # The constructor never raises for a grammar's faults: it enters an error state.
     matcher = llguidance.LLMatcher(vocab._llg, grammar, log_level=0, limits=_LIMITS)
     if matcher.is_error():
-        raise _refusal(param, f"the schema cannot be enforced: {matcher.get_error()}")
+        raise _Refusal(param, f"the schema cannot be enforced: {matcher.get_error()}")
     return matcher
 
 
@@ -471,7 +488,7 @@ def _tool_calls_lark(fmt: ToolCallFormat) -> str:
         else:
             opening = _lit(fmt.begin + "".join(pieces))
         tail = f"}}{fmt.end}"
-        schema = function.parameters or {"type": "object", "properties": {}}
+        schema = function.parameters or _NO_ARGUMENTS
         args = json.dumps(_laid_out(_closed(schema)), ensure_ascii=False)
         rules.append(f"call_{i}: {opening} args_{i} {_lit(tail)}")
         rules.append(f"args_{i}: %json {args}")
@@ -527,12 +544,15 @@ def _json_value(text: str, param: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise _refusal(param, f"not valid JSON: {exc}") from exc
+        raise _Refusal(param, f"not valid JSON: {exc}") from exc
 
 
-def _refusal(param: str, message: str) -> InvalidRequestError:
-    what = "tools" if param == "tools" else "response_format"
-    return InvalidRequestError(f"Invalid '{what}': {message[:_ERROR_CHARS]}", param)
+class _Refusal(InvalidRequestError):
+    """A grammar the request asked for that cannot be enforced; `reason` says why."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        self.reason = reason[:_ERROR_CHARS]
+        super().__init__(f"Invalid '{param}': {self.reason}", param)
 
 
 class Constraint:

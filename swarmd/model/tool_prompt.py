@@ -141,6 +141,11 @@ def check_tools(tools: object) -> list[ToolFunction]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise _invalid(f"{at}.function", "expected an object")
+        _known_keys(tool, _TOOL_KEYS, at)
+        _known_keys(function, _FUNCTION_KEYS, f"{at}.function")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _invalid(f"{at}.function.strict", "expected true or false")
         name = function.get("name")
         if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
             raise _invalid(
@@ -194,6 +199,20 @@ def check_tool_choice(choice: object, names: Collection[str]) -> tuple[ToolChoic
         "Invalid 'tool_choice': expected 'auto', 'none', 'required' or a named function",
         "tool_choice",
     )
+
+
+# What OpenAI's tool objects may hold; anything else is a typo the client should hear of
+# (as OpenAI says of it) rather than a setting silently ignored.
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+
+
+def _known_keys(given: dict[str, Any], known: frozenset[str], at: str) -> None:
+    for key in given:
+        if key not in known:
+            raise InvalidRequestError(
+                f"Unrecognized request argument supplied: {at}.{key}", f"{at}.{key}"
+            )
 
 
 def _invalid(param: str, message: str) -> InvalidRequestError:
@@ -250,7 +269,10 @@ def _tool_entry(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    names: dict[str, str] = {}  # call id -> function name, for the tool turns
+    """The turns for a template. A tool message answers a call of the assistant turn
+    just before it (other tool messages between them), as OpenAI requires: a result
+    the model never asked for would be rendered as an answer to nothing."""
+    names: dict[str, str] = {}  # call id -> function name, of the calls being answered
     turns: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         at = f"messages[{i}]"
@@ -258,17 +280,34 @@ def _turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         content = _text(message.get("content"), f"{at}.content")
         if role == "assistant" and message.get("tool_calls"):
             calls = _history_calls(message["tool_calls"], f"{at}.tool_calls")
-            names.update((c["id"], c["function"]["name"]) for c in calls)
+            names = {c["id"]: c["function"]["name"] for c in calls}
             turns.append({"role": "assistant", "content": content, "tool_calls": calls})
         elif role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
                 raise _invalid(f"{at}.tool_call_id", "a tool message needs the id of its call")
-            turn = {"role": "tool", "tool_call_id": call_id, "content": content}
-            if call_id in names:
-                turn["name"] = names[call_id]  # some templates print it
-            turns.append(turn)
+            if not names:
+                raise _invalid(
+                    at,
+                    "a message with role 'tool' must answer a call of a preceding "
+                    "assistant message with 'tool_calls'",
+                )
+            if call_id not in names:
+                raise _invalid(
+                    f"{at}.tool_call_id",
+                    f"'{call_id}' is not the id of a call in the preceding assistant "
+                    f"message's tool_calls ({', '.join(sorted(names))})",
+                )
+            turns.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": content,
+                    "name": names[call_id],
+                }
+            )
         else:
+            names = {}
             turns.append({"role": role, "content": content})
     return turns
 

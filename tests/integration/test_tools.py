@@ -37,6 +37,13 @@ TOOLS: list[dict[str, Any]] = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+BAD_PARAMETERS = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"x": {"type": "strung"}}},
+    },
+}
 
 
 @pytest.fixture
@@ -255,6 +262,19 @@ async def test_a_tool_choice_that_needs_tools_without_them_is_a_400(
             {"messages": [*ASK, {"role": "tool", "content": "x"}]},
             "messages[1].tool_call_id",
         ),
+        # A parameter schema no call could be held to, whether calls are forced or not.
+        *(
+            ({"tools": [TOOLS[0], BAD_PARAMETERS], **choice}, "tools[1].function.parameters")
+            for choice in ({}, {"tool_choice": "required"}, {"tool_choice": "none"})
+        ),
+        (
+            {"messages": [*ASK, {"role": "tool", "tool_call_id": "call_1", "content": "x"}]},
+            "messages[1]",
+        ),
+        (
+            {"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": "yes"}}]},
+            "tools[0].function.strict",
+        ),
     ],
 )
 async def test_bad_tool_requests_are_400s_naming_the_parameter(
@@ -264,3 +284,4 @@ async def test_bad_tool_requests_are_400s_naming_the_parameter(
         await api.chat.completions.create(**{**ask(), **change})
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param, error
+    assert len(error["message"]) < 400 and "%json" not in error["message"], error

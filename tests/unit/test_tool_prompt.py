@@ -232,13 +232,18 @@ def test_mistral_ids_are_nine_alphanumerics_and_still_pair() -> None:
     assert all(len(i) == 9 and i.isalnum() for i in ids)
     assert len(set(ids)) == 2
     assert [m["tool_call_id"] for m in prompt.messages[2:]] == ids
+    call = {"id": "abcDEF123", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     kept = tp.render_tools_prompt(
         None,
-        [{"role": "tool", "tool_call_id": "abcDEF123", "content": "x"}],
+        [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "abcDEF123", "content": "x"},
+        ],
         TOOLS,
         "mistral",
     )
-    assert kept.messages[0]["tool_call_id"] == "abcDEF123"
+    assert kept.messages[0]["tool_calls"][0]["id"] == "abcDEF123"
+    assert kept.messages[1]["tool_call_id"] == "abcDEF123"
 
 
 @pytest.mark.parametrize(
@@ -258,6 +263,10 @@ def test_mistral_ids_are_nine_alphanumerics_and_still_pair() -> None:
             "messages[1].tool_calls[0].function.name",
         ),
         (lambda h: h[3].pop("tool_call_id"), "messages[3].tool_call_id"),
+        # A result must answer a call of the assistant turn just before it.
+        (lambda h: h[3].update(tool_call_id="call_9"), "messages[3].tool_call_id"),
+        (lambda h: h.insert(2, {"role": "user", "content": "and?"}), "messages[3]"),
+        (lambda h: h.pop(1), "messages[1]"),
         (lambda h: h[0].update(content=42), "messages[0].content"),
     ],
 )
@@ -275,6 +284,8 @@ def test_a_bad_history_names_its_path(change: Callable[[Any], Any], param: str) 
 
 def test_check_tools_gives_the_functions() -> None:
     assert tp.check_tools(TOOLS) == FUNCTIONS
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    assert tp.check_tools(strict) == FUNCTIONS[:1]
     bare = tp.check_tools([{"type": "function", "function": {"name": "ping"}}])
     assert bare == [ToolFunction("ping", {})]
 
@@ -300,6 +311,9 @@ def tool(**function: Any) -> dict[str, Any]:
         ([tool(name="f", description=3)], "tools[0].function.description"),
         ([tool(name="f", parameters="{}")], "tools[0].function.parameters"),
         ([tool(name="f", parameters={"type": "string"})], "tools[0].function.parameters"),
+        ([tool(name="f", strict="yes")], "tools[0].function.strict"),
+        ([tool(name="f"), tool(name="g", paramters={})], "tools[1].function.paramters"),
+        ([{**tool(name="f"), "name": "f"}], "tools[0].name"),
     ],
 )
 def test_check_tools_names_the_bad_path(tools: object, param: str) -> None:
