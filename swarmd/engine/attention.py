@@ -14,10 +14,14 @@ head dims 16-256, up to 8,192 keys, 1, 2 and 4 threads: given the same key count
 of `bmm(q, k^T)`, of `softmax` and of `bmm(w, v)` has the same bits for any row count
 from 4 up. So every query is computed with the same shapes whatever else runs with it:
 
-- it reads keys [first, first + width): `first` is its lowest visible position rounded
-  down to a block of 64, `width` its span rounded up to a whole block (`span`); the keys
-  outside its window in there are masked to -inf before the softmax, so their weights
-  are exactly 0 (and the cache's unwritten positions are zeros, never NaN: see kv.py);
+- it reads keys [first, first + width) (`span`): a query that sees the cache from its
+  start reads the capacity class of its end (`kv.capacity_class`: 256, then powers of
+  two), the very keys of the cache slot it sits in, so the sessions of one page are one
+  matmul whatever their lengths (`scripted.py`); one that sees a window (sliding
+  attention, past its first block) reads from its lowest visible position rounded down
+  to a block of 64, its span rounded up to a whole block. The keys outside its window in
+  there are masked to -inf before the softmax, so their weights are exactly 0 (and the
+  cache's unwritten positions are zeros, never NaN: see kv.py);
 - its heads sharing one KV head are padded to at least 4 rows;
 - a chunk computes the queries that share (first, width) together, as rows of one
   matmul per KV head: consecutive positions share one every 64 tokens or so.
@@ -36,12 +40,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from swarmd.engine.kv import capacity_class
+
 BLOCK = 64  # keys are read in whole blocks of this many positions
 MIN_ROWS = 4  # from this many rows up a matmul row rounds the same whatever the count
 
 
 def span(lo: int, hi: int) -> tuple[int, int]:
     """(first, width) of the keys a query that sees positions [lo, hi) reads."""
+    if lo == 0:
+        return 0, capacity_class(hi)
     first = lo // BLOCK * BLOCK
     return first, -(-(hi - first) // BLOCK) * BLOCK
 
@@ -100,7 +108,7 @@ def one_query(
 class QueryGroup:
     """Consecutive queries of a chunk that read the same keys: rows [start, end) of the
     chunk, keys [first, first + width), and -inf where each query (times its heads) does
-    not see a key, for the first and the last block of the span."""
+    not see a key, for each block of the span where one does not."""
 
     start: int
     end: int
@@ -122,7 +130,7 @@ def plan_chunk(windows: list[tuple[int, int]], group: int) -> list[QueryGroup]:
         bounds = torch.tensor(windows[t:end], dtype=torch.long).repeat_interleave(group, 0)
         bounds -= first
         hidden = []
-        for column in sorted({0, width - BLOCK}):
+        for column in range(0, width, BLOCK):
             columns = torch.arange(column, column + BLOCK)
             mask = (columns < bounds[:, :1]) | (columns >= bounds[:, 1:])  # [rows, BLOCK]
             if bool(mask.any()):

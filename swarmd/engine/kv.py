@@ -1,25 +1,92 @@
-"""`KVCache`: one session's keys and values on one stage, grown in place.
+"""`KVCache`: one session's keys and values on one stage, in a slot of a shared page.
 
-One float32 buffer [layers, 2, B, kv_heads, capacity, head_dim] per session: a step
-writes its new positions with one copy per tensor and attention reads a view of the
-cached positions, so no step concatenates the whole past. The first step reserves 256
-positions past its need; beyond that the capacity doubles (never past the session's
-`max_length`), copying once per doubling. A single allocation
-per session is returned to the OS whole when the session ends (many small per-layer
-buffers fragment the heap).
+A session's keys and values live in one slot [layers, 2, 1, kv_heads, capacity, head_dim]
+of a page [layers, 2, slots, kv_heads, capacity, head_dim] that sessions of the same
+capacity share (`KVPool`). So a decode step reads the keys of every session of a page as
+one tensor: one matmul per layer for all of them, not one per session (`scripted.py`).
+The capacity is a class, a function of the positions held alone (`capacity_class`: 256,
+then powers of two), and a query that sees the cache from its start reads exactly that
+many keys (`attention.span`): every session of a page then reads the same number of keys,
+and a position's bits never depend on which sessions shared its step.
 
-Attention reads keys in whole blocks (`attention.span`), past the positions written: so
-the capacity is a whole number of blocks, and a new buffer is zeros there, never whatever
-the allocator left (a NaN times a weight of 0 would be NaN).
+A step writes its new positions in place; a cache that outgrows its class moves to a slot
+of the next one (one copy per doubling). A slot goes back to its page when its cache is
+dropped, and a page whose slots are all free goes back to the allocator whole (pages are
+allocated untouched, so memory is only taken by slots in use).
+
+Attention reads keys in whole blocks past the positions written: a slot is zeros there
+when taken, never whatever the allocator or an earlier session left (a NaN times a weight
+of 0 would be NaN).
 """
 
 from __future__ import annotations
 
+import heapq
+import threading
+import weakref
+
 import torch
 
-from swarmd.engine.attention import BLOCK
+MIN_CLASS = 256  # positions: most chats never leave it
+_PAGE_BYTES = 128 << 20  # a page holds as many slots as fit in this (at least 1, at most 16)
+_MAX_SLOTS = 16
 
-_HEADROOM = 256  # positions reserved past the first need: most replies then never regrow
+
+def capacity_class(positions: int) -> int:
+    """The capacity that holds `positions`: 256, or the power of two at or above it."""
+    return max(MIN_CLASS, 1 << max(0, positions - 1).bit_length())
+
+
+class _Page:
+    """Slots of one capacity; `tensor` [layers, 2, slots, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.free = list(range(int(tensor.shape[2])))  # a heap: the lowest slot first
+        self.slots = len(self.free)
+
+
+class KVPool:
+    """The pages of one stage's caches, by capacity class; thread-safe (a cache may be
+    dropped on any thread)."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.dims = (num_layers, 2, kv_heads, head_dim)
+        self.dtype = dtype
+        self._pages: dict[int, list[_Page]] = {}
+        self._lock = threading.Lock()
+
+    @torch.inference_mode()  # a page may be made inside a forward or outside: always inside
+    def take(self, capacity: int) -> tuple[_Page, int]:
+        """A free slot of `capacity` (a class), zeros: (page, slot)."""
+        with self._lock:
+            pages = self._pages.setdefault(capacity, [])
+            page = next((p for p in pages if p.free), None)
+            if page is None:
+                page = _Page(self._empty(capacity))
+                pages.append(page)
+            slot = heapq.heappop(page.free)
+        page.tensor[:, :, slot].zero_()
+        return page, slot
+
+    def release(self, capacity: int, page: _Page, slot: int) -> None:
+        with self._lock:
+            heapq.heappush(page.free, slot)
+            pages = self._pages.get(capacity, [])
+            if len(page.free) == page.slots and page in pages:
+                pages.remove(page)  # all free: back to the allocator
+
+    def pages(self) -> int:
+        with self._lock:
+            return sum(len(p) for p in self._pages.values())
+
+    def _empty(self, capacity: int) -> torch.Tensor:
+        layers, two, kv_heads, head_dim = self.dims
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        slot_bytes = layers * two * kv_heads * capacity * head_dim * itemsize
+        slots = max(1, min(_MAX_SLOTS, _PAGE_BYTES // slot_bytes))
+        # Untouched: the OS maps a page's memory as its slots are first written.
+        return torch.empty(layers, two, slots, kv_heads, capacity, head_dim, dtype=self.dtype)
 
 
 class KVCache:
@@ -30,30 +97,19 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         max_length: int,
-        batch: int = 1,
+        pool: KVPool | None = None,
     ) -> None:
         self.max_length = max_length
         self.length = 0  # positions written so far
-        self._dims = (num_layers, 2, batch, kv_heads)
-        self._head_dim = head_dim
-        self._dtype = dtype
-        self._buffer = self._empty(0)
-
-    def _empty(
-        self, capacity: int, keep: torch.Tensor | None = None, length: int = 0
-    ) -> torch.Tensor:
-        """A buffer of `capacity` positions rounded up to whole blocks: the first `length`
-        copied from `keep`, zeros after them."""
-        blocks = -(-capacity // BLOCK) * BLOCK
-        out = torch.empty(*self._dims, blocks, self._head_dim, dtype=self._dtype)
-        if keep is not None and length:
-            out[..., :length, :].copy_(keep[..., :length, :])
-        out[..., length:, :].zero_()
-        return out
+        self.pool = pool if pool is not None else KVPool(num_layers, kv_heads, head_dim, dtype)
+        self.page: _Page | None = None
+        self.slot = 0
+        self._release: weakref.finalize | None = None
+        self._buffer = torch.zeros(num_layers, 2, 1, kv_heads, 0, head_dim, dtype=dtype)
 
     @property
     def buffer(self) -> torch.Tensor:
-        """[layers, 2, B, kv_heads, capacity, head_dim]: what a scripted step writes into."""
+        """[layers, 2, 1, kv_heads, capacity, head_dim]: the slot (a view of its page)."""
         return self._buffer
 
     @property
@@ -61,32 +117,40 @@ class KVCache:
         return int(self._buffer.shape[4])
 
     def reserve(self, total: int) -> None:
-        """Room for `total` positions (the next step's end)."""
-        if total <= self.capacity:
-            return
-        size = max(total + _HEADROOM, self.capacity * 2)
-        size = min(size, max(self.max_length, total))
-        self._buffer = self._empty(size, self._buffer, self.length)
+        """Room for `total` positions (the next step's end): the class that holds them."""
+        if total > self.capacity:
+            self._move(capacity_class(total), self._buffer, self.length)
 
     def fork(self, length: int, max_length: int) -> KVCache:
         """A new cache holding a copy of this one's first `length` positions (another
         reply to the same prompt: the prompt is prefilled once)."""
         if length > self.length:
             raise ValueError(f"cannot fork {length} positions of a cache holding {self.length}")
-        other = KVCache.__new__(KVCache)
-        other.max_length = max_length
+        layers, _, kv_heads, head_dim = self.pool.dims
+        other = KVCache(layers, kv_heads, head_dim, self.pool.dtype, max_length, self.pool)
+        other._move(capacity_class(max(length, 1)), self._buffer, length)
         other.length = length
-        other._dims, other._head_dim, other._dtype = self._dims, self._head_dim, self._dtype
-        capacity = min(max(length + _HEADROOM, 1), max(max_length, length))
-        other._buffer = self._empty(capacity, self._buffer, length)
         return other
 
+    @torch.inference_mode()
+    def _move(self, capacity: int, keep: torch.Tensor, length: int) -> None:
+        """Into a zeroed slot of `capacity`, the first `length` positions of `keep` copied."""
+        page, slot = self.pool.take(capacity)
+        buffer = page.tensor[:, :, slot : slot + 1]
+        if length:
+            buffer[..., :length, :].copy_(keep[..., :length, :])
+        if self._release is not None:
+            self._release()  # the old slot back to its page
+        self.page, self.slot, self._buffer = page, slot, buffer
+        self._release = weakref.finalize(self, self.pool.release, capacity, page, slot)
+
+    @torch.inference_mode()
     def write_and_read(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [kv_heads, T, D] of row 0 at positions start.. (reserved first);
-        return that row's whole key and value buffers [kv_heads, capacity, D], what
-        attention reads its blocks from."""
+        """Store k, v [kv_heads, T, D] at positions start.. (reserved first); return the
+        whole key and value buffers [kv_heads, capacity, D], what attention reads its
+        blocks from."""
         end = start + k.shape[1]
         keys, values = self._buffer[layer, :, 0]
         keys[:, start:end] = k

@@ -36,6 +36,7 @@ from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
 
 if TYPE_CHECKING:
     from swarmd.engine.arch import ArchSpec
+    from swarmd.engine.kv import KVCache
     from swarmd.engine.stage import LayerWeights
 
 log = logging.getLogger(__name__)
@@ -99,9 +100,16 @@ def _decode_layers(
     counts: list[list[int]],  # per layer: qkv groups, gate/up groups, kind index, gate size
     cos: list[torch.Tensor],  # per kind: [B, 1, 1, D]
     sin: list[torch.Tensor],
-    caches: list[torch.Tensor],  # per row: its KV buffer [layers, 2, 1, kv, cap, D]
+    caches: list[torch.Tensor],  # per row: its KV slot [layers, 2, 1, kv, cap, D]
     starts: list[int],  # per row: the position its token takes
     firsts: list[list[int]],  # per row, per kind: the first position it sees
+    pooled: list[bool],  # per kind: every row sees its cache from the start
+    pages: list[torch.Tensor],  # per page of the rows: [layers, 2, slots, kv, cap, D]
+    spans: list[list[int]],  # per page: [its lowest slot of the rows, slots to its highest]
+    rows_of: list[torch.Tensor],  # per page: the batch rows in it
+    offsets: list[torch.Tensor],  # per page: each of those rows' slot less the lowest
+    writes: list[torch.Tensor],  # per page: where its rows' keys, then values, go in a layer
+    masks: list[torch.Tensor],  # per page: [slots, 1, cap], True past each row's position
     mm: torch.dtype,  # the matrices' activation dtype
     act: torch.dtype,  # the residual stream's
     heads: int,
@@ -116,16 +124,18 @@ def _decode_layers(
     q_size = heads * head_dim
     kv_size = kv_heads * head_dim
     group = heads // kv_heads
-    # Per row, per layer: keys [kv, cap, D], the same transposed [kv, D, cap], values.
+    # Per row, per layer: keys [kv, cap, D], the same transposed [kv, D, cap], values
+    # (only for kinds some row sees through a window: those attend row by row).
     keys_of: list[list[torch.Tensor]] = []
     keys_t_of: list[list[torch.Tensor]] = []
     values_of: list[list[torch.Tensor]] = []
-    for r in range(batch):
-        buffer = caches[r].select(2, 0)  # [layers, 2, kv, cap, D]
-        keys_all = buffer.select(1, 0)
-        keys_of.append(keys_all.unbind(0))
-        keys_t_of.append(keys_all.transpose(2, 3).unbind(0))
-        values_of.append(buffer.select(1, 1).unbind(0))
+    if not all(pooled):
+        for r in range(batch):
+            buffer = caches[r].select(2, 0)  # [layers, 2, kv, cap, D]
+            keys_all = buffer.select(1, 0)
+            keys_of.append(keys_all.unbind(0))
+            keys_t_of.append(keys_all.transpose(2, 3).unbind(0))
+            values_of.append(buffer.select(1, 1).unbind(0))
     for i in range(len(mats)):
         norm = norms[i]
         mat = mats[i]
@@ -148,33 +158,65 @@ def _decode_layers(
             q = _rotate(q, cos[kind], sin[kind])
             k = _rotate(k, cos[kind], sin[kind])
         v = qkv[:, q_size + kv_size :].reshape(batch, 1, kv_heads, head_dim)
-        # `one_query` of each row, on views built once per layer (or step): the same
-        # tensors, strides and ops, with a third of the view ops of slicing per row.
+        # `one_query` of each row: the same matrices row for row, so the same bits.
         scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
         if group < 4:  # attention.MIN_ROWS
             scaled = F.pad(scaled, [0, 0, 0, 4 - group])
-        scaled_rows = scaled.unbind(0)
-        k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
-        v_rows = v.transpose(1, 2).unbind(0)
-        outs: list[torch.Tensor] = []
-        for r in range(batch):
-            start = starts[r]
-            lo = firsts[r][kind]
-            keys = keys_of[r][i]
-            values = values_of[r][i]
-            keys.narrow(1, start, 1).copy_(k_rows[r])
-            values.narrow(1, start, 1).copy_(v_rows[r])
-            first = lo // 64 * 64  # attention.span
-            width = (start + 1 - first + 63) // 64 * 64
-            got = attend_rows(
-                scaled_rows[r],
-                keys_t_of[r][i].narrow(2, first, width),
-                values.narrow(1, first, width),
-                lo - first,
-                start + 1 - first,
+        if pooled[kind]:
+            # Every row reads its whole slot (`attention.span`): the rows of a page are
+            # one matmul over the page's slots from the lowest to the highest of them
+            # (a slot between them that is not in this step computes what nobody reads).
+            attn4 = torch.empty(batch, kv_heads, 4, head_dim, dtype=scaled.dtype)
+            fresh = torch.stack(
+                [k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim)]
             )
-            outs.append(got.narrow(1, 0, group))
-        attn = torch.stack(outs).view(batch, heads * head_dim)
+            for g in range(len(pages)):
+                layer = pages[g][i]  # [2, slots, kv, cap, D]
+                cap = layer.shape[3]
+                lo = spans[g][0]
+                count = spans[g][1]
+                rows = rows_of[g]
+                layer.view(-1, head_dim).index_copy_(
+                    0, writes[g], fresh.index_select(1, rows).reshape(-1, head_dim)
+                )
+                keys = layer[0].narrow(0, lo, count).reshape(count * kv_heads, cap, head_dim)
+                values = layer[1].narrow(0, lo, count).reshape(count * kv_heads, cap, head_dim)
+                q_g = torch.zeros(count, kv_heads, scaled.shape[2], head_dim, dtype=scaled.dtype)
+                q_g.index_copy_(0, offsets[g], scaled.index_select(0, rows))
+                scores = torch.bmm(q_g.view(count * kv_heads, -1, head_dim), keys.transpose(1, 2))
+                scores.view(count, -1, cap).masked_fill_(masks[g], float("-inf"))
+                got = torch.bmm(torch.softmax(scores, dim=-1), values)
+                attn4.index_copy_(
+                    0, rows, got.view(count, kv_heads, -1, head_dim).index_select(0, offsets[g])
+                )
+            attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
+        else:
+            scaled_rows = scaled.unbind(0)
+            k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
+            v_rows = v.transpose(1, 2).unbind(0)
+            outs: list[torch.Tensor] = []
+            for r in range(batch):
+                start = starts[r]
+                lo = firsts[r][kind]
+                keys = keys_of[r][i]
+                values = values_of[r][i]
+                keys.narrow(1, start, 1).copy_(k_rows[r])
+                values.narrow(1, start, 1).copy_(v_rows[r])
+                first = lo // 64 * 64  # attention.span
+                width = (start + 1 - first + 63) // 64 * 64
+                if lo == 0:  # kv.capacity_class
+                    width = 256
+                    while width < start + 1:
+                        width *= 2
+                got = attend_rows(
+                    scaled_rows[r],
+                    keys_t_of[r][i].narrow(2, first, width),
+                    values.narrow(1, first, width),
+                    lo - first,
+                    start + 1 - first,
+                )
+                outs.append(got.narrow(1, 0, group))
+            attn = torch.stack(outs).view(batch, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:
             out = F.rms_norm(out.to(act), [hidden], norm[4], eps)
@@ -282,11 +324,13 @@ class DecodeLoop:
         x: torch.Tensor,  # [B, H]
         cos: list[torch.Tensor],  # per kind (the order `build` was given): [B, 1, 1, D]
         sin: list[torch.Tensor],
-        caches: list[torch.Tensor],  # per row: its KV buffer
+        caches: list[KVCache],  # per row
         starts: list[int],
         firsts: list[list[int]],  # per row, per kind
     ) -> torch.Tensor:
         heads, kv_heads, head_dim, eps, scale, gelu = self._shape
+        pooled = [all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
+        pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
         with torch.jit.optimized_execution(False):
             return self._fn(
                 x,
@@ -295,9 +339,16 @@ class DecodeLoop:
                 self._counts,
                 cos,
                 sin,
-                caches,
+                [c.buffer for c in caches],
                 starts,
                 firsts,
+                pooled,
+                pages.tensors,
+                pages.spans,
+                pages.rows,
+                pages.offsets,
+                pages.writes,
+                pages.masks,
                 self._mm,
                 self._act,
                 heads,
@@ -307,6 +358,42 @@ class DecodeLoop:
                 scale,
                 gelu,
             )
+
+
+class _Pages:
+    """The rows of a decode step by the KV page their caches sit in: what
+    `_decode_layers` needs to attend each page's rows as one matmul per layer."""
+
+    def __init__(self, caches: list[KVCache], starts: list[int], kv_heads: int) -> None:
+        by_page: dict[int, list[int]] = {}
+        for r, cache in enumerate(caches):
+            by_page.setdefault(id(cache.page), []).append(r)
+        self.tensors: list[torch.Tensor] = []
+        self.spans: list[list[int]] = []
+        self.rows: list[torch.Tensor] = []
+        self.offsets: list[torch.Tensor] = []
+        self.writes: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        for rows in by_page.values():
+            page = caches[rows[0]].page
+            assert page is not None  # (a step reserves its cache first)
+            slots = [caches[r].slot for r in rows]
+            lo, count = min(slots), max(slots) - min(slots) + 1
+            _, _, total, _, capacity, _ = page.tensor.shape
+            ends = torch.full((count,), capacity)  # a slot not in this step: no mask
+            at = torch.tensor([starts[r] for r in rows])
+            offsets = torch.tensor(slots) - lo
+            ends[offsets] = at + 1
+            # A layer's [2, slots, kv, cap, D] flat: keys then values of each row's heads.
+            heads = torch.arange(kv_heads)
+            base = (torch.tensor(slots)[:, None] * kv_heads + heads) * capacity + at[:, None]
+            per_slot = total * kv_heads * capacity
+            self.tensors.append(page.tensor)
+            self.spans.append([lo, count])
+            self.rows.append(torch.tensor(rows))
+            self.offsets.append(offsets)
+            self.writes.append(torch.cat([base.flatten(), base.flatten() + per_slot]))
+            self.masks.append((torch.arange(capacity) >= ends[:, None])[:, None, :])
 
 
 def _or_none(t: torch.Tensor | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from swarmd.engine.arch import SLIDING, ArchSpec
 from swarmd.engine.attention import QueryGroup, chunk_queries, one_query, plan_chunk
-from swarmd.engine.kv import KVCache
+from swarmd.engine.kv import KVCache, KVPool
 from swarmd.engine.linear import Matrix, Projection
 from swarmd.engine.rope import RopeTable
 from swarmd.engine.scripted import DecodeLoop
@@ -99,6 +99,8 @@ class LeanStage:
         self._kinds = list(ropes)
         self._decode_loop: DecodeLoop | None = None
         self._decode_loop_built = False
+        # Every cache of this stage: sessions of one capacity share a page (kv.py).
+        self._kv_pool = KVPool(len(blocks), spec.kv_heads, spec.head_dim, ACT)
 
     @property
     def is_first(self) -> bool:
@@ -118,7 +120,8 @@ class LeanStage:
 
     def new_cache(self, max_length: int) -> KVCache:
         spec = self.spec
-        return KVCache(len(self.blocks), spec.kv_heads, spec.head_dim, ACT, max_length)
+        blocks = len(self.blocks)
+        return KVCache(blocks, spec.kv_heads, spec.head_dim, ACT, max_length, self._kv_pool)
 
     def fork_cache(self, cache: KVCache, length: int, max_length: int) -> KVCache | None:
         """A copy of `cache`'s first `length` positions for another session."""
@@ -203,7 +206,7 @@ class LeanStage:
                 x,
                 [decodes[kind][0] for kind in self._kinds],
                 [decodes[kind][1] for kind in self._kinds],
-                [p.cache.buffer for p in parts],
+                [p.cache for p in parts],
                 [p.start for p in parts],
                 [[p.step.window_of(kind, p.start)[0] for kind in self._kinds] for p in parts],
             )
