@@ -15,12 +15,13 @@ of `bmm(q, k^T)`, of `softmax` and of `bmm(w, v)` has the same bits for any row 
 from 4 up. So every query is computed with the same shapes whatever else runs with it:
 
 - it reads keys [first, first + width) (`span`): a query that sees the cache from its
-  start reads the capacity class of its end (`kv.capacity_class`: 256, then powers of
-  two), the very keys of the cache slot it sits in, so the sessions of one page are one
-  matmul whatever their lengths (`scripted.py`); one that sees a window (sliding
-  attention, past its first block) reads from its lowest visible position rounded down
-  to a block of 64, its span rounded up to a whole block. The keys outside its window in
-  there are masked to -inf before the softmax, so their weights are exactly 0 (and the
+  start reads the capacity class of its end (`kv.capacity_class`: steps of 256, then of
+  an eighth of a power of two), the very keys of the cache slot it sits in, so the
+  sessions of one page are one matmul whatever their lengths (`scripted.py`); one that
+  sees a window (sliding attention, past its first block) reads from its lowest visible
+  position rounded down to a block of 64, its span rounded up to a whole block. The keys
+  outside its window in there are masked to -inf before the softmax, so their weights
+  are exactly 0 (and the
   cache's unwritten positions are zeros, never NaN: see kv.py);
 - its heads sharing one KV head are padded to at least 4 rows;
 - a chunk computes the queries that share (first, width) together, as rows of one

@@ -4,10 +4,11 @@ A session's keys and values live in one slot [layers, 2, 1, kv_heads, capacity, 
 of a page [layers, 2, slots, kv_heads, capacity, head_dim] that sessions of the same
 capacity share (`KVPool`). So a decode step reads the keys of every session of a page as
 one tensor: one matmul per layer for all of them, not one per session (`scripted.py`).
-The capacity is a class, a function of the positions held alone (`capacity_class`: 256,
-then powers of two), and a query that sees the cache from its start reads exactly that
-many keys (`attention.span`): every session of a page then reads the same number of keys,
-and a position's bits never depend on which sessions shared its step.
+The capacity is a class, a function of the positions held alone (`capacity_class`:
+steps of 256, then of an eighth of a power of two past 2,048), and a query that sees the
+cache from its start reads exactly that many keys (`attention.span`): every session of a
+page then reads the same number of keys, and a position's bits never depend on which
+sessions shared its step.
 
 A step writes its new positions in place; a cache that outgrows its class moves to a slot
 of the next one (one copy per doubling). A slot goes back to its page when its cache is
@@ -28,13 +29,19 @@ import weakref
 import torch
 
 MIN_CLASS = 256  # positions: most chats never leave it
-_PAGE_BYTES = 128 << 20  # a page holds as many slots as fit in this (at least 1, at most 16)
+# A page holds as many slots as fit in this (at least 1, at most 16). Its memory is only
+# taken as slots are used (an untouched allocation), so a large page costs nothing idle.
+_PAGE_BYTES = 512 << 20
 _MAX_SLOTS = 16
 
 
 def capacity_class(positions: int) -> int:
-    """The capacity that holds `positions`: 256, or the power of two at or above it."""
-    return max(MIN_CLASS, 1 << max(0, positions - 1).bit_length())
+    """The capacity that holds `positions`: a multiple of 256, and past 2,048 of an eighth
+    of the power of two at or above them (2,560, 3,072, 3,584, 4,096, 5,120, ...), so a
+    slot is never a quarter larger than its positions need past its first 256."""
+    top = 1 << max(0, positions - 1).bit_length()
+    step = max(MIN_CLASS, top // 8)
+    return max(MIN_CLASS, -(-positions // step) * step)
 
 
 class _Page:

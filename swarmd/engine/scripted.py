@@ -204,10 +204,12 @@ def _decode_layers(
                 values.narrow(1, start, 1).copy_(v_rows[r])
                 first = lo // 64 * 64  # attention.span
                 width = (start + 1 - first + 63) // 64 * 64
-                if lo == 0:  # kv.capacity_class
-                    width = 256
-                    while width < start + 1:
-                        width *= 2
+                if lo == 0:  # kv.capacity_class(start + 1)
+                    top = 1
+                    while top < start + 1:
+                        top *= 2
+                    step = max(256, top // 8)
+                    width = max(256, (start + step) // step * step)
                 got = attend_rows(
                     scaled_rows[r],
                     keys_t_of[r][i].narrow(2, first, width),
