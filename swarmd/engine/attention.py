@@ -14,18 +14,15 @@ head dims 16-256, up to 8,192 keys, 1, 2 and 4 threads: given the same key count
 of `bmm(q, k^T)`, of `softmax` and of `bmm(w, v)` has the same bits for any row count
 from 4 up. So every query is computed with the same shapes whatever else runs with it:
 
-- it reads keys [first, first + width) (`span`): a query that sees the cache from its
-  start reads the capacity class of its end (`kv.capacity_class`: steps of 256, then of
-  an eighth of a power of two), the very keys of the cache slot it sits in, so the
-  sessions of one page are one matmul whatever their lengths (`scripted.py`); one that
-  sees a window (sliding attention, past its first block) reads from its lowest visible
-  position rounded down to a block of 64, its span rounded up to a whole block. The keys
+- it reads keys [first, first + width): `first` is its lowest visible position rounded
+  down to a block of 64, `width` its span rounded up to a whole block (`span`); the keys
   outside its window in there are masked to -inf before the softmax, so their weights
-  are exactly 0 (and the cache's unwritten positions are zeros, never NaN: see kv.py);
+  are exactly 0 (and the cache's unwritten positions are zeros, never NaN: see kv.py).
+  A decode step attends the rows of one KV page that read the same span as one matmul
+  (`scripted.py`): a row of it has the bits of the row alone (measured, as below);
 - its heads sharing one KV head are padded to at least 4 rows;
 - a chunk computes the queries that share (first, width) together, as rows of one
-  matmul per KV head: consecutive positions share one for a whole capacity class (every
-  64 tokens or so under a window).
+  matmul per KV head: consecutive positions share one every 64 tokens or so.
 
 Measured cost (2 threads, 9 heads over 3 KV heads of 64): a decode row's attention in
 one layer 26.5 against 21.9 us at 150 positions (the padded row, the keys to the block's
@@ -41,16 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from swarmd.engine.kv import capacity_class
-
 BLOCK = 64  # keys are read in whole blocks of this many positions
 MIN_ROWS = 4  # from this many rows up a matmul row rounds the same whatever the count
 
 
 def span(lo: int, hi: int) -> tuple[int, int]:
     """(first, width) of the keys a query that sees positions [lo, hi) reads."""
-    if lo == 0:
-        return 0, capacity_class(hi)
     first = lo // BLOCK * BLOCK
     return first, -(-(hi - first) // BLOCK) * BLOCK
 

@@ -2,13 +2,11 @@
 
 A session's keys and values live in one slot [layers, 2, 1, kv_heads, capacity, head_dim]
 of a page [layers, 2, slots, kv_heads, capacity, head_dim] that sessions of the same
-capacity share (`KVPool`). So a decode step reads the keys of every session of a page as
-one tensor: one matmul per layer for all of them, not one per session (`scripted.py`).
-The capacity is a class, a function of the positions held alone (`capacity_class`:
-steps of 256, then of an eighth of a power of two past 2,048), and a query that sees the
-cache from its start reads exactly that many keys (`attention.span`): every session of a
-page then reads the same number of keys, and a position's bits never depend on which
-sessions shared its step.
+capacity share (`KVPool`). So a decode step reads the keys of the sessions of a page as
+one tensor: one matmul per layer for those that read the same span, not one per session
+(`scripted.py`). The capacity is a class of the positions held (`capacity_class`: steps
+of 256, then of an eighth of a power of two past 2,048); it decides where a session's
+keys sit, never which keys a query reads (`attention.span`), so it changes no bits.
 
 A step writes its new positions in place; a cache that outgrows its class moves to a slot
 of the next one (one copy per doubling). A slot goes back to its page when its cache is

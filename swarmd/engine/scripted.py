@@ -93,6 +93,28 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
+def _attend_group(
+    layer: torch.Tensor,  # a page's layer [2, slots, kv, cap, D]
+    span: list[int],  # [lowest slot, slots to the highest, width, whole batch]
+    fresh: torch.Tensor,  # [2, rows, kv, D]: the rows' new keys and values
+    scaled: torch.Tensor,  # [slots, kv, 4, D]: each slot's scaled queries (zeros: no row)
+    writes: torch.Tensor,  # where `fresh` goes in `layer` flat
+    mask: torch.Tensor,  # [slots, 1, width]
+) -> torch.Tensor:
+    """The attention of a group of rows (`one_query` of each): [slots, kv, 4, D]."""
+    lo, count, width = span[0], span[1], span[2]
+    kv_heads, head_dim = layer.shape[2], layer.shape[4]
+    layer.view(-1, head_dim).index_copy_(0, writes, fresh.reshape(-1, head_dim))
+    keys = layer[0].narrow(0, lo, count).narrow(2, 0, width)
+    values = layer[1].narrow(0, lo, count).narrow(2, 0, width)
+    keys = keys.reshape(count * kv_heads, width, head_dim)
+    values = values.reshape(count * kv_heads, width, head_dim)
+    scores = torch.bmm(scaled.reshape(count * kv_heads, -1, head_dim), keys.transpose(1, 2))
+    scores.view(count, -1, width).masked_fill_(mask, float("-inf"))
+    got = torch.bmm(torch.softmax(scores, dim=-1), values)
+    return got.view(count, kv_heads, -1, head_dim)
+
+
 def _decode_layers(
     x: torch.Tensor,  # [B, H] float32: each row's one token
     norms: list[list[torch.Tensor]],  # per layer: attn, mlp, q, k, post-attn, post-mlp
@@ -104,12 +126,15 @@ def _decode_layers(
     starts: list[int],  # per row: the position its token takes
     firsts: list[list[int]],  # per row, per kind: the first position it sees
     pooled: list[bool],  # per kind: every row sees its cache from the start
-    pages: list[torch.Tensor],  # per page of the rows: [layers, 2, slots, kv, cap, D]
-    spans: list[list[int]],  # per page: [its lowest slot of the rows, slots to its highest]
-    rows_of: list[torch.Tensor],  # per page: the batch rows in it
-    offsets: list[torch.Tensor],  # per page: each of those rows' slot less the lowest
-    writes: list[torch.Tensor],  # per page: where its rows' keys, then values, go in a layer
-    masks: list[torch.Tensor],  # per page: [slots, 1, cap], True past each row's position
+    pages: list[torch.Tensor],  # per group of rows (a page, a span): its page
+    # [layers, 2, slots, kv, cap, D]
+    # per group: [lowest slot of its rows, slots to the highest, width, 1 if it is the
+    # whole batch in slot order with no slot between]
+    spans: list[list[int]],
+    rows_of: list[torch.Tensor],  # per group: its batch rows
+    offsets: list[torch.Tensor],  # per group: each of those rows' slot less the lowest
+    writes: list[torch.Tensor],  # per group: where its rows' keys, then values, go in a layer
+    masks: list[torch.Tensor],  # per group: [slots, 1, width], True past each row's position
     mm: torch.dtype,  # the matrices' activation dtype
     act: torch.dtype,  # the residual stream's
     heads: int,
@@ -163,32 +188,24 @@ def _decode_layers(
         if group < 4:  # attention.MIN_ROWS
             scaled = F.pad(scaled, [0, 0, 0, 4 - group])
         if pooled[kind]:
-            # Every row reads its whole slot (`attention.span`): the rows of a page are
-            # one matmul over the page's slots from the lowest to the highest of them
-            # (a slot between them that is not in this step computes what nobody reads).
-            attn4 = torch.empty(batch, kv_heads, 4, head_dim, dtype=scaled.dtype)
-            fresh = torch.stack(
-                [k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim)]
-            )
-            for g in range(len(pages)):
-                layer = pages[g][i]  # [2, slots, kv, cap, D]
-                cap = layer.shape[3]
-                lo = spans[g][0]
-                count = spans[g][1]
-                rows = rows_of[g]
-                layer.view(-1, head_dim).index_copy_(
-                    0, writes[g], fresh.index_select(1, rows).reshape(-1, head_dim)
-                )
-                keys = layer[0].narrow(0, lo, count).reshape(count * kv_heads, cap, head_dim)
-                values = layer[1].narrow(0, lo, count).reshape(count * kv_heads, cap, head_dim)
-                q_g = torch.zeros(count, kv_heads, scaled.shape[2], head_dim, dtype=scaled.dtype)
-                q_g.index_copy_(0, offsets[g], scaled.index_select(0, rows))
-                scores = torch.bmm(q_g.view(count * kv_heads, -1, head_dim), keys.transpose(1, 2))
-                scores.view(count, -1, cap).masked_fill_(masks[g], float("-inf"))
-                got = torch.bmm(torch.softmax(scores, dim=-1), values)
-                attn4.index_copy_(
-                    0, rows, got.view(count, kv_heads, -1, head_dim).index_select(0, offsets[g])
-                )
+            # The rows of a page that read the same span are one matmul over the page's
+            # slots from the lowest to the highest of them (a slot between them that is
+            # not in this step, or reads another span, computes what nobody reads).
+            fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
+            if len(pages) == 1 and spans[0][3] == 1:
+                # Every row, in slot order, no slot between: no gathering.
+                attn4 = _attend_group(pages[0][i], spans[0], fresh, scaled, writes[0], masks[0])
+            else:
+                attn4 = torch.empty(batch, kv_heads, 4, head_dim, dtype=scaled.dtype)
+                for g in range(len(pages)):
+                    rows = rows_of[g]
+                    count = spans[g][1]
+                    q_g = torch.zeros(count, kv_heads, 4, head_dim, dtype=scaled.dtype)
+                    q_g.index_copy_(0, offsets[g], scaled.index_select(0, rows))
+                    got = _attend_group(
+                        pages[g][i], spans[g], fresh.index_select(1, rows), q_g, writes[g], masks[g]
+                    )
+                    attn4.index_copy_(0, rows, got.index_select(0, offsets[g]))
             attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
         else:
             scaled_rows = scaled.unbind(0)
@@ -204,12 +221,6 @@ def _decode_layers(
                 values.narrow(1, start, 1).copy_(v_rows[r])
                 first = lo // 64 * 64  # attention.span
                 width = (start + 1 - first + 63) // 64 * 64
-                if lo == 0:  # kv.capacity_class(start + 1)
-                    top = 1
-                    while top < start + 1:
-                        top *= 2
-                    step = max(256, top // 8)
-                    width = max(256, (start + step) // step * step)
                 got = attend_rows(
                     scaled_rows[r],
                     keys_t_of[r][i].narrow(2, first, width),
@@ -363,39 +374,42 @@ class DecodeLoop:
 
 
 class _Pages:
-    """The rows of a decode step by the KV page their caches sit in: what
-    `_decode_layers` needs to attend each page's rows as one matmul per layer."""
+    """The rows of a decode step by the KV page their caches sit in and the span they
+    read (`attention.span` from position 0): what `_decode_layers` needs to attend each
+    group's rows as one matmul per layer."""
 
     def __init__(self, caches: list[KVCache], starts: list[int], kv_heads: int) -> None:
-        by_page: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for r, cache in enumerate(caches):
-            by_page.setdefault(id(cache.page), []).append(r)
+            width = -(-(starts[r] + 1) // BLOCK) * BLOCK
+            groups.setdefault((id(cache.page), width), []).append(r)
         self.tensors: list[torch.Tensor] = []
         self.spans: list[list[int]] = []
         self.rows: list[torch.Tensor] = []
         self.offsets: list[torch.Tensor] = []
         self.writes: list[torch.Tensor] = []
         self.masks: list[torch.Tensor] = []
-        for rows in by_page.values():
+        for (_, width), rows in groups.items():
             page = caches[rows[0]].page
             assert page is not None  # (a step reserves its cache first)
-            slots = [caches[r].slot for r in rows]
-            lo, count = min(slots), max(slots) - min(slots) + 1
+            slots = torch.tensor([caches[r].slot for r in rows])
+            lo = int(slots.min())
+            count = int(slots.max()) - lo + 1
             _, _, total, _, capacity, _ = page.tensor.shape
-            ends = torch.full((count,), capacity)  # a slot not in this step: no mask
             at = torch.tensor([starts[r] for r in rows])
-            offsets = torch.tensor(slots) - lo
-            ends[offsets] = at + 1
+            ends = torch.full((count,), width)  # a slot not in this group: no mask
+            ends[slots - lo] = at + 1
             # A layer's [2, slots, kv, cap, D] flat: keys then values of each row's heads.
             heads = torch.arange(kv_heads)
-            base = (torch.tensor(slots)[:, None] * kv_heads + heads) * capacity + at[:, None]
-            per_slot = total * kv_heads * capacity
+            base = ((slots[:, None] * kv_heads + heads) * capacity + at[:, None]).flatten()
             self.tensors.append(page.tensor)
-            self.spans.append([lo, count])
+            whole = rows == list(range(len(caches))) and count == len(rows)
+            whole = whole and bool((slots - lo == torch.arange(count)).all())
+            self.spans.append([lo, count, width, int(whole)])
             self.rows.append(torch.tensor(rows))
-            self.offsets.append(offsets)
-            self.writes.append(torch.cat([base.flatten(), base.flatten() + per_slot]))
-            self.masks.append((torch.arange(capacity) >= ends[:, None])[:, None, :])
+            self.offsets.append(slots - lo)
+            self.writes.append(torch.cat([base, base + total * kv_heads * capacity]))
+            self.masks.append((torch.arange(width) >= ends[:, None])[:, None, :])
 
 
 def _or_none(t: torch.Tensor | None) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.engine.arch import arch_spec
-from swarmd.engine.attention import chunk_queries, one_query, plan_chunk
-from swarmd.engine.kv import capacity_class
+from swarmd.engine.attention import BLOCK, chunk_queries, one_query, plan_chunk
 from swarmd.engine.load import load_lean_stage
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
@@ -36,10 +35,10 @@ SHAPES = [(9, 3, 64), (4, 2, 16), (8, 8, 32), (4, 1, 256), (16, 2, 64)]  # heads
 
 
 def _cache(kv_heads: int, length: int, head_dim: int, seed: int) -> torch.Tensor:
-    """[kv, capacity, D]: `length` random positions, then zeros to its capacity class (a
+    """[kv, capacity, D]: `length` random positions, then zeros to whole blocks (a
     KVCache's buffer)."""
     generator = torch.Generator().manual_seed(seed)
-    capacity = capacity_class(length)
+    capacity = -(-length // BLOCK) * BLOCK
     buffer = torch.zeros(kv_heads, capacity, head_dim)
     buffer[:, :length] = torch.randn(kv_heads, length, head_dim, generator=generator)
     return buffer

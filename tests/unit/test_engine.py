@@ -300,20 +300,21 @@ def test_a_step_over_shared_kv_pages_gives_each_row_its_bits_alone(
 ) -> None:
     """Sessions of one capacity class share a KV page, and a scripted decode step attends
     each page's rows as one matmul over the slots from the lowest to the highest of them
-    (engine/kv.py, scripted.py). Rows in two classes (256 and 512 positions), a freed slot
-    between two rows, sessions of the page that sit the step out, and rows that see a
+    that read the same span (engine/kv.py, scripted.py). Rows in two classes (256 and 512
+    positions) and of several spans in each, a freed slot between two rows, sessions of the
+    page that sit the step out, and rows that see a
     sliding window (gemma3: row by row there): each row's logits and cache equal the
     same row on a stage of its own, stepped eagerly (one query at a time)."""
     path, _ = make_tiny(family, tmp_path)
     stage = lean(path, weights="int4")
-    lengths = [12, 300, 30, 7, 270, 20, 15]
+    lengths = [12, 300, 30, 7, 340, 70, 130]  # spans of 64 to 384 keys
     streams = [prompt(n + 6, seed=60 + i)[0] for i, n in enumerate(lengths)]
     caches = [stage.new_cache(n + 6) for n in lengths]
     for ids, cache, n in zip(streams, caches, lengths, strict=True):
         stage(ids[None, :n], cache)
     assert len({id(c.page) for c in caches}) == 2 and caches[3].slot > caches[0].slot + 1
     del caches[2]  # a free slot between rows 0 and 3 of the small page
-    rows = [0, 1, 2, 3, 4, 5]  # of what is left: lengths 12, 300, 7, 270, 20, 15
+    rows = [0, 1, 2, 3, 4, 5]  # of what is left: lengths 12, 300, 7, 340, 70, 130
     kept = [lengths[i] for i in (0, 1, 3, 4, 5, 6)]
     alone = []
     for r in rows:
