@@ -5,7 +5,7 @@ of a page [layers, 2, slots, kv_heads, capacity, head_dim] that sessions of the 
 capacity share (`KVPool`). So a decode step reads the keys of the sessions of a page as
 one tensor: one matmul per layer for those that read the same span, not one per session
 (`scripted.py`). The capacity is a class of the positions held (`capacity_class`: steps
-of 256, then of an eighth of a power of two past 2,048); it decides where a session's
+of 64, then of an eighth of a power of two past 512); it decides where a session's
 keys sit, never which keys a query reads (`attention.span`), so it changes no bits.
 
 A step writes its new positions in place; a cache that outgrows its class moves to a slot
@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-MIN_CLASS = 256  # positions: most chats never leave it
+MIN_CLASS = 64  # positions: a class is a multiple of it (attention's block)
 # A page holds as many slots as fit in this (at least 1, at most 16). Its memory is only
 # taken as slots are used (an untouched allocation), so a large page costs nothing idle.
 _PAGE_BYTES = 512 << 20
@@ -34,9 +34,11 @@ _MAX_SLOTS = 16
 
 
 def capacity_class(positions: int) -> int:
-    """The capacity that holds `positions`: a multiple of 256, and past 2,048 of an eighth
-    of the power of two at or above them (2,560, 3,072, 3,584, 4,096, 5,120, ...), so a
-    slot is never a quarter larger than its positions need past its first 256."""
+    """The capacity that holds `positions`: a multiple of 64, and past 512 of an eighth of
+    the power of two at or above them (640, 768, ..., 1,024, 1,280, ...), so a slot is
+    never a quarter larger than its positions need past its first 64. Up to 512 that is
+    the span a query at the last position reads (`attention.span`): the rows of a page
+    mostly read one span, one matmul."""
     top = 1 << max(0, positions - 1).bit_length()
     step = max(MIN_CLASS, top // 8)
     return max(MIN_CLASS, -(-positions // step) * step)

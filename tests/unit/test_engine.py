@@ -300,21 +300,21 @@ def test_a_step_over_shared_kv_pages_gives_each_row_its_bits_alone(
 ) -> None:
     """Sessions of one capacity class share a KV page, and a scripted decode step attends
     each page's rows as one matmul over the slots from the lowest to the highest of them
-    that read the same span (engine/kv.py, scripted.py). Rows in two classes (256 and 512
-    positions) and of several spans in each, a freed slot between two rows, sessions of the
-    page that sit the step out, and rows that see a
-    sliding window (gemma3: row by row there): each row's logits and cache equal the
-    same row on a stage of its own, stepped eagerly (one query at a time)."""
+    that read the same span (engine/kv.py, scripted.py). Rows in two classes (64 and 640
+    positions), two spans in one page, a freed slot between two rows, sessions of the
+    page that sit the step out, and rows that see a sliding window (gemma3: row by row
+    there): each row's logits and cache equal the same row on a stage of its own, stepped
+    eagerly (one query at a time)."""
     path, _ = make_tiny(family, tmp_path)
     stage = lean(path, weights="int4")
-    lengths = [12, 300, 30, 7, 340, 70, 130]  # spans of 64 to 384 keys
+    lengths = [12, 530, 30, 7, 620, 40, 20]  # spans of 64, 576 and 640 keys
     streams = [prompt(n + 6, seed=60 + i)[0] for i, n in enumerate(lengths)]
     caches = [stage.new_cache(n + 6) for n in lengths]
     for ids, cache, n in zip(streams, caches, lengths, strict=True):
         stage(ids[None, :n], cache)
     assert len({id(c.page) for c in caches}) == 2 and caches[3].slot > caches[0].slot + 1
     del caches[2]  # a free slot between rows 0 and 3 of the small page
-    rows = [0, 1, 2, 3, 4, 5]  # of what is left: lengths 12, 300, 7, 340, 70, 130
+    rows = [0, 1, 2, 3, 4, 5]  # of what is left: lengths 12, 530, 7, 620, 40, 20
     kept = [lengths[i] for i in (0, 1, 3, 4, 5, 6)]
     alone = []
     for r in rows:
@@ -365,7 +365,7 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
 
     path, _ = make_tiny("llama", tmp_path)
     stage = lean(path)
-    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=1200)
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
     greedy = SamplingParams(temperature=0.0)
     turn1 = prompt(24, seed=3)[0].tolist()
     assert runtime.open("t1", 128, greedy, prompt=turn1) == 0
@@ -397,17 +397,17 @@ def test_a_next_turn_reuses_the_cache_of_the_conversation_it_continues(tmp_path:
     fresh.open("f3", 128, greedy, prompt=t3)
     assert fresh.step("f3", torch.tensor([t3]), True).token == got
     # The least recently finished conversation goes first once the cap is passed.
-    # Each holds 256: its capacity, the smallest class of positions (engine/kv.py).
-    small = StageRuntime(stage, max_sessions=4, prefix_tokens=300)
+    # Each holds 64: its capacity, the smallest class of positions (engine/kv.py).
+    small = StageRuntime(stage, max_sessions=4, prefix_tokens=100)
     for i in range(3):
         ids = prompt(20, seed=30 + i)[0].tolist()
         small.open(f"c{i}", 32, greedy, prompt=ids)
         small.step(f"c{i}", torch.tensor([ids]), True)
         small.close(f"c{i}")
-    assert small.prefix_held_tokens == 256 and list(small._prefixes) == ["c2"]
+    assert small.prefix_held_tokens == 64 and list(small._prefixes) == ["c2"]
     # A conversation larger than the whole cap is not kept, and pushes nothing out.
-    big = prompt(290, seed=40)[0].tolist()
-    small.open("big", 320, greedy, prompt=big)
+    big = prompt(90, seed=40)[0].tolist()
+    small.open("big", 128, greedy, prompt=big)
     small.step("big", torch.tensor([big]), True)
     small.close("big")
     assert list(small._prefixes) == ["c2"]
@@ -442,7 +442,7 @@ def test_a_shared_start_is_copied_from_finished_and_running_conversations(
         assert fresh.open(f"f{i}", 64, greedy, prompt=ids) == 0
         expected.append(reply(fresh, f"f{i}", ids, 0))
         fresh.close(f"f{i}")
-    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=1200)
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
     assert runtime.open("first", 64, greedy, prompt=asks[0]) == 0
     assert reply(runtime, "first", asks[0], 0) == expected[0]
     # Still running: the others copy the system prompt from it, and run beside it.
@@ -575,7 +575,7 @@ def test_two_conversations_continue_at_once_each_from_its_own_cache(tmp_path: Pa
 
     path, _ = make_tiny("llama", tmp_path)
     stage = lean(path)
-    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=1200)
+    runtime = StageRuntime(stage, max_sessions=4, prefix_tokens=400)
     greedy = SamplingParams(temperature=0.0)
     turns = []
     for i in range(2):
