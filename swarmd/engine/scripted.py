@@ -95,7 +95,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _attend_group(
     layer: torch.Tensor,  # a page's layer [2, slots, kv, cap, D]
-    span: list[int],  # [lowest slot, slots to the highest, width, whole batch]
+    span: list[int],  # [lowest slot, slots to the highest, width, ...]
     fresh: torch.Tensor,  # [2, rows, kv, D]: the rows' new keys and values
     scaled: torch.Tensor,  # [slots, kv, 4, D]: each slot's scaled queries (zeros: no row)
     writes: torch.Tensor,  # where `fresh` goes in `layer` flat
@@ -128,10 +128,9 @@ def _decode_layers(
     pooled: list[bool],  # per kind: every row sees its cache from the start
     pages: list[torch.Tensor],  # per group of rows (a page, a span): its page
     # [layers, 2, slots, kv, cap, D]
-    # per group: [lowest slot of its rows, slots to the highest, width, 1 if it is the
-    # whole batch in slot order with no slot between]
+    # per group: [lowest slot of its rows, slots to the highest, width, its first row,
+    # its rows] (its rows are consecutive, in slot order: `_Pages.order`)
     spans: list[list[int]],
-    rows_of: list[torch.Tensor],  # per group: its batch rows
     offsets: list[torch.Tensor],  # per group: each of those rows' slot less the lowest
     writes: list[torch.Tensor],  # per group: where its rows' keys, then values, go in a layer
     masks: list[torch.Tensor],  # per group: [slots, 1, width], True past each row's position
@@ -191,21 +190,21 @@ def _decode_layers(
             # The rows of a page that read the same span are one matmul over the page's
             # slots from the lowest to the highest of them (a slot between them that is
             # not in this step, or reads another span, computes what nobody reads).
+            # The rows come grouped (`_Pages.order`): a group is rows [first, first + n).
             fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
-            if len(pages) == 1 and spans[0][3] == 1:
-                # Every row, in slot order, no slot between: no gathering.
-                attn4 = _attend_group(pages[0][i], spans[0], fresh, scaled, writes[0], masks[0])
-            else:
-                attn4 = torch.empty(batch, kv_heads, 4, head_dim, dtype=scaled.dtype)
-                for g in range(len(pages)):
-                    rows = rows_of[g]
-                    count = spans[g][1]
-                    q_g = torch.zeros(count, kv_heads, 4, head_dim, dtype=scaled.dtype)
-                    q_g.index_copy_(0, offsets[g], scaled.index_select(0, rows))
-                    got = _attend_group(
-                        pages[g][i], spans[g], fresh.index_select(1, rows), q_g, writes[g], masks[g]
-                    )
-                    attn4.index_copy_(0, rows, got.index_select(0, offsets[g]))
+            outs4: list[torch.Tensor] = []
+            for g in range(len(pages)):
+                first = spans[g][3]
+                n = spans[g][4]
+                q_g = scaled.narrow(0, first, n)
+                if spans[g][1] != n:  # slots between its rows: zeros stand in for them
+                    q_g = torch.zeros(spans[g][1], kv_heads, 4, head_dim, dtype=scaled.dtype)
+                    q_g.index_copy_(0, offsets[g], scaled.narrow(0, first, n))
+                got = _attend_group(
+                    pages[g][i], spans[g], fresh.narrow(1, first, n), q_g, writes[g], masks[g]
+                )
+                outs4.append(got if spans[g][1] == n else got.index_select(0, offsets[g]))
+            attn4 = outs4[0] if len(outs4) == 1 else torch.cat(outs4)
             attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
         else:
             scaled_rows = scaled.unbind(0)
@@ -341,9 +340,35 @@ class DecodeLoop:
         starts: list[int],
         firsts: list[list[int]],  # per row, per kind
     ) -> torch.Tensor:
-        heads, kv_heads, head_dim, eps, scale, gelu = self._shape
+        kv_heads = self._shape[1]
         pooled = [all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
         pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
+        order = pages.order
+        if order is not None:  # each group's rows side by side (a row's bits never move)
+            index = torch.tensor(order)
+            x = x.index_select(0, index)
+            cos = [c.index_select(0, index) for c in cos]
+            sin = [s.index_select(0, index) for s in sin]
+            caches = [caches[r] for r in order]
+            starts = [starts[r] for r in order]
+            firsts = [firsts[r] for r in order]
+        out = self._layers(x, cos, sin, caches, starts, firsts, pooled, pages)
+        if order is None:
+            return out
+        return out.index_select(0, torch.tensor(order).argsort())
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: list[torch.Tensor],
+        sin: list[torch.Tensor],
+        caches: list[KVCache],
+        starts: list[int],
+        firsts: list[list[int]],
+        pooled: list[bool],
+        pages: _Pages,
+    ) -> torch.Tensor:
+        heads, kv_heads, head_dim, eps, scale, gelu = self._shape
         with torch.jit.optimized_execution(False):
             return self._fn(
                 x,
@@ -358,7 +383,6 @@ class DecodeLoop:
                 pooled,
                 pages.tensors,
                 pages.spans,
-                pages.rows,
                 pages.offsets,
                 pages.writes,
                 pages.masks,
@@ -376,25 +400,29 @@ class DecodeLoop:
 class _Pages:
     """The rows of a decode step by the KV page their caches sit in and the span they
     read (`attention.span` from position 0): what `_decode_layers` needs to attend each
-    group's rows as one matmul per layer."""
+    group's rows as one matmul per layer. `order`: the rows grouped, each group in slot
+    order (None: as they came); the groups' fields follow it."""
 
     def __init__(self, caches: list[KVCache], starts: list[int], kv_heads: int) -> None:
         groups: dict[tuple[int, int], list[int]] = {}
         for r, cache in enumerate(caches):
             width = -(-(starts[r] + 1) // BLOCK) * BLOCK
             groups.setdefault((id(cache.page), width), []).append(r)
+        order = [r for rows in groups.values() for r in sorted(rows, key=lambda r: caches[r].slot)]
+        self.order = None if order == list(range(len(caches))) else order
         self.tensors: list[torch.Tensor] = []
         self.spans: list[list[int]] = []
-        self.rows: list[torch.Tensor] = []
         self.offsets: list[torch.Tensor] = []
         self.writes: list[torch.Tensor] = []
         self.masks: list[torch.Tensor] = []
-        for (_, width), rows in groups.items():
+        first = 0
+        for (_, width), unsorted in groups.items():
+            rows = sorted(unsorted, key=lambda r: caches[r].slot)
             page = caches[rows[0]].page
             assert page is not None  # (a step reserves its cache first)
             slots = torch.tensor([caches[r].slot for r in rows])
-            lo = int(slots.min())
-            count = int(slots.max()) - lo + 1
+            lo = int(slots[0])
+            count = int(slots[-1]) - lo + 1
             _, _, total, _, capacity, _ = page.tensor.shape
             at = torch.tensor([starts[r] for r in rows])
             ends = torch.full((count,), width)  # a slot not in this group: no mask
@@ -403,13 +431,11 @@ class _Pages:
             heads = torch.arange(kv_heads)
             base = ((slots[:, None] * kv_heads + heads) * capacity + at[:, None]).flatten()
             self.tensors.append(page.tensor)
-            whole = rows == list(range(len(caches))) and count == len(rows)
-            whole = whole and bool((slots - lo == torch.arange(count)).all())
-            self.spans.append([lo, count, width, int(whole)])
-            self.rows.append(torch.tensor(rows))
+            self.spans.append([lo, count, width, first, len(rows)])
             self.offsets.append(slots - lo)
             self.writes.append(torch.cat([base, base + total * kv_heads * capacity]))
             self.masks.append((torch.arange(width) >= ends[:, None])[:, None, :])
+            first += len(rows)
 
 
 def _or_none(t: torch.Tensor | None) -> torch.Tensor:
