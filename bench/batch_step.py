@@ -22,8 +22,13 @@ figures add HTTP, tokenizing and the prompts' prefill). matrices8_over_1 and hea
 show where the bound comes from: torch's int4 and int8 CPU kernels work in blocks of 4
 rows, so 8 rows cost about twice 4.
 
+With `--spread N` session i's prompt is `--context` + i x N tokens: sessions of mixed
+lengths, as real traffic has (they read different spans of keys, so a step attends them
+in several groups: engine/kv.py).
+
 Usage: .venv/bin/python bench/batch_step.py [--cache-dir DIR] [--model ID]
-       [--levels 1,2,4,8,16] [--context 128] [--rounds 5] [--steps 20] [--threads 2]
+       [--levels 1,2,4,8,16] [--context 128] [--spread 0] [--rounds 5] [--steps 20]
+       [--threads 2]
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--levels", default="1,2,4,8,16")
     parser.add_argument("--context", type=int, default=128, help="prompt tokens a session")
+    parser.add_argument(
+        "--spread", type=int, default=0, help="tokens more for each next session's prompt"
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps a level a round")
     parser.add_argument("--threads", type=int, default=2)
@@ -70,14 +78,17 @@ def timed(fn: Callable[[], object], count: int) -> list[float]:
 class Level:
     """B sessions on one runtime; every level's contexts grow alike, round by round."""
 
-    def __init__(self, stage: LeanStage, batch: int, context: int, grows: int) -> None:
+    def __init__(
+        self, stage: LeanStage, batch: int, context: int, grows: int, spread: int = 0
+    ) -> None:
         self.batch = batch
         self.ids = [f"b{batch}-{i}" for i in range(batch)]
         self.runtime = StageRuntime(stage, max_sessions=batch)
         generator = torch.Generator().manual_seed(batch)
-        for sid in self.ids:
-            self.runtime.open(sid, context + grows + 1, SamplingParams(temperature=0.0))
-            prompt = torch.randint(100, 20000, (1, context), generator=generator)
+        for i, sid in enumerate(self.ids):
+            length = context + i * spread  # session i: `spread` tokens more than i - 1
+            self.runtime.open(sid, length + grows + 1, SamplingParams(temperature=0.0))
+            prompt = torch.randint(100, 20000, (1, length), generator=generator)
             self.runtime.step_many([StepRequest(sid, prompt, True)])
         self.step_ms: list[float] = []
         self.matrices_ms: list[float] = []
@@ -123,12 +134,12 @@ def main() -> None:
         raise SystemExit(f"{args.model} does not load on the swarmd engine")
     print(
         f"{args.model}: {stage.weight_formats} weights, {stage.dtype} activations, "
-        f"{args.threads} threads, contexts of {args.context} tokens growing to "
-        f"{args.context + args.rounds * (args.steps + 1)}",
+        f"{args.threads} threads, contexts of {args.context} tokens (+{args.spread} a "
+        f"session) growing by {args.rounds * (args.steps + 1)}",
         flush=True,
     )
     grows = args.rounds * (args.steps + 1)
-    runs = {b: Level(stage, b, args.context, grows) for b in levels}
+    runs = {b: Level(stage, b, args.context, grows, args.spread) for b in levels}
     with torch.inference_mode():
         for _ in range(args.rounds):
             for level in runs.values():

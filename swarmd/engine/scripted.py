@@ -341,7 +341,9 @@ class DecodeLoop:
         firsts: list[list[int]],  # per row, per kind
     ) -> torch.Tensor:
         kv_heads = self._shape[1]
-        pooled = [all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
+        # One row alone takes the row-by-row ops: fewer of them (the same bits).
+        several = len(caches) > 1
+        pooled = [several and all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
         pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
         order = pages.order
         if order is not None:  # each group's rows side by side (a row's bits never move)
