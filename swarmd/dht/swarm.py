@@ -283,9 +283,16 @@ class SwarmPresence:
         return self._gate is None or self._gate.allows(peer_id)
 
     async def ban(self, peer_id: str, reason: str) -> None:
-        """Ban a peer (growing backoff) and cut its connections."""
+        """Ban a peer (growing backoff) and cut its connections; each call is one more
+        of its failures (`/api/peers`). A peer banned already is left as it is: one lost
+        peer fails every session it served, and each reports it (the table would not
+        escalate; the log said it once per session)."""
+        now = time.time()
+        self.peers.record_failure(peer_id)
+        if self.peers.is_banned(peer_id, now):
+            return
         addr = remote_ip(self._host, peer_id) if self._host is not None else None
-        until = self.peers.ban(peer_id, reason, time.time(), addr=addr)
+        until = self.peers.ban(peer_id, reason, now, addr=addr)
         log.warning(
             "DIAG: peer banned peer=%s for_s=%.0f reason=%s",
             safe_text(peer_id[-8:]),
