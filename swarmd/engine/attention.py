@@ -102,7 +102,7 @@ def one_query(
 class QueryGroup:
     """Consecutive queries of a chunk that read the same keys: rows [start, end) of the
     chunk, keys [first, first + width), and -inf where each query (times its heads) does
-    not see a key, for each block of the span where one does not."""
+    not see a key, for the first and the last block of the span."""
 
     start: int
     end: int
@@ -124,7 +124,7 @@ def plan_chunk(windows: list[tuple[int, int]], group: int) -> list[QueryGroup]:
         bounds = torch.tensor(windows[t:end], dtype=torch.long).repeat_interleave(group, 0)
         bounds -= first
         hidden = []
-        for column in range(0, width, BLOCK):
+        for column in sorted({0, width - BLOCK}):
             columns = torch.arange(column, column + BLOCK)
             mask = (columns < bounds[:, :1]) | (columns >= bounds[:, 1:])  # [rows, BLOCK]
             if bool(mask.any()):

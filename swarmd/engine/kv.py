@@ -9,9 +9,10 @@ of 64, then of an eighth of a power of two past 512); it decides where a session
 keys sit, never which keys a query reads (`attention.span`), so it changes no bits.
 
 A step writes its new positions in place; a cache that outgrows its class moves to a slot
-of the next one (one copy per doubling). A slot goes back to its page when its cache is
-dropped, and a page whose slots are all free goes back to the allocator whole (pages are
-allocated untouched, so memory is only taken by slots in use).
+of the next one (one copy each time). A slot goes back to its page when its cache is
+dropped, its memory back to the OS (on Linux: the page is an anonymous mapping of its
+own), and a page whose slots are all free is unmapped: memory is only taken by slots in
+use.
 
 Attention reads keys in whole blocks past the positions written: a slot is zeros there
 when taken, never whatever the allocator or an earlier session left (a NaN times a weight
@@ -21,6 +22,9 @@ of 0 would be NaN).
 from __future__ import annotations
 
 import heapq
+import math
+import mmap
+import sys
 import threading
 import weakref
 
@@ -31,6 +35,8 @@ MIN_CLASS = 64  # positions: a class is a multiple of it (attention's block)
 # taken as slots are used (an untouched allocation), so a large page costs nothing idle.
 _PAGE_BYTES = 512 << 20
 _MAX_SLOTS = 16
+# Where an anonymous mapping's pages given back (MADV_DONTNEED) read as zeros after.
+_GIVES_BACK = sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
 
 
 def capacity_class(positions: int) -> int:
@@ -45,12 +51,35 @@ def capacity_class(positions: int) -> int:
 
 
 class _Page:
-    """Slots of one capacity; `tensor` [layers, 2, slots, kv_heads, capacity, head_dim]."""
+    """Slots of one capacity: `tensor` [layers, 2, slots, kv_heads, capacity, head_dim],
+    over anonymous memory of its own (`region`) where the OS allows giving a freed slot's
+    memory back (Linux); `clean`: the free slots known to be zeros."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.free = list(range(int(tensor.shape[2])))  # a heap: the lowest slot first
-        self.slots = len(self.free)
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        count = math.prod(shape)
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        self.region: mmap.mmap | None = None
+        if _GIVES_BACK:
+            # Zeros until written, and a freed slot's pages go back to the OS at once
+            # (`give_back`): a page held by one kept conversation keeps only that slot.
+            self.region = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.tensor = torch.frombuffer(self.region, dtype=dtype, count=count).view(shape)
+        else:
+            self.tensor = torch.empty(shape, dtype=dtype)  # zeroed slot by slot when taken
+        self.slots = int(shape[2])
+        self.free = list(range(self.slots))  # a heap: the lowest slot first
+        self.clean = set(self.free) if self.region is not None else set()
+        self._chunk = nbytes // (shape[0] * shape[1] * self.slots)  # a slot's K or V, a layer
+
+    def give_back(self, slot: int) -> bool:
+        """Return a slot's memory to the OS (it reads as zeros after); False if it
+        cannot be (no region of its own, or its chunks are not whole OS pages)."""
+        if self.region is None or self._chunk % mmap.PAGESIZE:
+            return False
+        for part in range(int(self.tensor.shape[0]) * 2):  # every layer's K, then V
+            offset = (part * self.slots + slot) * self._chunk
+            self.region.madvise(mmap.MADV_DONTNEED, offset, self._chunk)
+        return True
 
 
 class KVPool:
@@ -70,30 +99,35 @@ class KVPool:
             pages = self._pages.setdefault(capacity, [])
             page = next((p for p in pages if p.free), None)
             if page is None:
-                page = _Page(self._empty(capacity))
+                page = _Page(self._shape(capacity), self.dtype)
                 pages.append(page)
             slot = heapq.heappop(page.free)
-        page.tensor[:, :, slot].zero_()
+            clean = slot in page.clean
+            page.clean.discard(slot)
+        if not clean:
+            page.tensor[:, :, slot].zero_()
         return page, slot
 
     def release(self, capacity: int, page: _Page, slot: int) -> None:
+        clean = page.give_back(slot)  # before it is free: nobody can have taken it yet
         with self._lock:
             heapq.heappush(page.free, slot)
+            if clean:
+                page.clean.add(slot)
             pages = self._pages.get(capacity, [])
             if len(page.free) == page.slots and page in pages:
-                pages.remove(page)  # all free: back to the allocator
+                pages.remove(page)  # all free: the whole page goes back
 
     def pages(self) -> int:
         with self._lock:
             return sum(len(p) for p in self._pages.values())
 
-    def _empty(self, capacity: int) -> torch.Tensor:
+    def _shape(self, capacity: int) -> tuple[int, ...]:
         layers, two, kv_heads, head_dim = self.dims
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         slot_bytes = layers * two * kv_heads * capacity * head_dim * itemsize
         slots = max(1, min(_MAX_SLOTS, _PAGE_BYTES // slot_bytes))
-        # Untouched: the OS maps a page's memory as its slots are first written.
-        return torch.empty(layers, two, slots, kv_heads, capacity, head_dim, dtype=self.dtype)
+        return (layers, two, slots, kv_heads, capacity, head_dim)
 
 
 class KVCache:
@@ -116,7 +150,9 @@ class KVCache:
 
     @property
     def buffer(self) -> torch.Tensor:
-        """[layers, 2, 1, kv_heads, capacity, head_dim]: the slot (a view of its page)."""
+        """[layers, 2, 1, kv_heads, capacity, head_dim]: the slot (a view of its page).
+        A view of it holds what the cache holds only while the cache lives: a dropped
+        cache's slot is zeros, then another session's."""
         return self._buffer
 
     @property

@@ -4,10 +4,13 @@ softmax as NaN or noise)."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import torch
 
 from swarmd.engine.attention import BLOCK
-from swarmd.engine.kv import KVCache
+from swarmd.engine.kv import KVCache, KVPool
 
 
 def _written(cache: KVCache, start: int, count: int, seed: int) -> torch.Tensor:
@@ -54,3 +57,30 @@ def test_a_fork_copies_the_prefix_only_and_is_zeros_after_it() -> None:
     # the fork is its own memory: writing it leaves the original as it was
     _written(fork, 40, 10, seed=4)
     assert torch.equal(cache.buffer[0, :, 0, :, :100], written)
+
+
+def test_sessions_share_a_page_and_a_freed_slot_goes_back_to_the_os() -> None:
+    """Caches of one class share a page; a dropped cache's slot reads as zeros at once
+    (its memory returned to the OS, on Linux) while the page's other slots keep what
+    they hold, and the next cache takes the lowest free slot."""
+    pool = KVPool(2, 3, 64, torch.float32)
+    caches = [KVCache(2, 3, 64, torch.float32, 2000, pool) for _ in range(3)]
+    with torch.inference_mode():
+        for i, cache in enumerate(caches):
+            cache.reserve(600)
+            cache.buffer.fill_(float(i + 1))
+    page = caches[0].page
+    assert page is not None and all(c.page is page for c in caches)
+    assert [c.slot for c in caches] == [0, 1, 2] and pool.pages() == 1
+    del caches[1]
+    gc.collect()
+    middle = page.tensor[:, :, 1]
+    if sys.platform.startswith("linux"):
+        assert not middle.any()  # given back: zeros without anyone writing them
+    assert bool((page.tensor[:, :, 0] == 1).all()) and bool((page.tensor[:, :, 2] == 3).all())
+    again = KVCache(2, 3, 64, torch.float32, 2000, pool)
+    again.reserve(600)
+    assert again.page is page and again.slot == 1 and not again.buffer.any()
+    del caches, cache, again
+    gc.collect()
+    assert pool.pages() == 0  # every slot free: the page is gone
