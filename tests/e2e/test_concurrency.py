@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -413,6 +414,13 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
     # whole blocks of 64 positions (128).
     head = LONG_PROMPT[: LONG_PROMPT.index("Line 4:")]
     firsts = [{**chat_body(f"{head} Number {i}.", 12), "stream": False} for i in (3, 8)]
+    # A system message of their own: the first turns prefill all of their prompts (the
+    # template's default system prompt would be copied from earlier tests' conversations,
+    # which shortens the first turn that the second's time to first token is held to).
+    run = uuid.uuid4().hex[:8]
+    for i, body in enumerate(firsts):
+        system = {"role": "system", "content": f"Test run {run}, conversation {i}."}
+        body["messages"] = [system, *body["messages"]]
 
     def ask(body: dict[str, Any]) -> dict[str, Any]:
         status, reply, _ = http_json(url, body, timeout_s=120)
