@@ -57,7 +57,7 @@ class _Page:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         count = math.prod(shape)
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         self.region: mmap.mmap | None = None
         if _GIVES_BACK:
             # Zeros until written, and a freed slot's pages go back to the OS at once
@@ -108,13 +108,13 @@ class KVPool:
             page.tensor[:, :, slot].zero_()
         return page, slot
 
-    def release(self, capacity: int, page: _Page, slot: int) -> None:
+    def release(self, page: _Page, slot: int) -> None:
         clean = page.give_back(slot)  # before it is free: nobody can have taken it yet
         with self._lock:
             heapq.heappush(page.free, slot)
             if clean:
                 page.clean.add(slot)
-            pages = self._pages.get(capacity, [])
+            pages = self._pages.get(int(page.tensor.shape[4]), [])
             if len(page.free) == page.slots and page in pages:
                 pages.remove(page)  # all free: the whole page goes back
 
@@ -124,8 +124,7 @@ class KVPool:
 
     def _shape(self, capacity: int) -> tuple[int, ...]:
         layers, two, kv_heads, head_dim = self.dims
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        slot_bytes = layers * two * kv_heads * capacity * head_dim * itemsize
+        slot_bytes = layers * two * kv_heads * capacity * head_dim * self.dtype.itemsize
         slots = max(1, min(_MAX_SLOTS, _PAGE_BYTES // slot_bytes))
         return (layers, two, slots, kv_heads, capacity, head_dim)
 
@@ -185,7 +184,7 @@ class KVCache:
         if self._release is not None:
             self._release()  # the old slot back to its page
         self.page, self.slot, self._buffer = page, slot, buffer
-        self._release = weakref.finalize(self, self.pool.release, capacity, page, slot)
+        self._release = weakref.finalize(self, self.pool.release, page, slot)
 
     @torch.inference_mode()
     def write_and_read(

@@ -346,8 +346,9 @@ class DecodeLoop:
         pooled = [several and all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
         pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
         order = pages.order
-        if order is not None:  # each group's rows side by side (a row's bits never move)
-            index = torch.tensor(order)
+        index = None if order is None else torch.tensor(order)
+        if order is not None and index is not None:  # each group's rows side by side
+            # (a row's bits never depend on its place)
             x = x.index_select(0, index)
             cos = [c.index_select(0, index) for c in cos]
             sin = [s.index_select(0, index) for s in sin]
@@ -355,9 +356,7 @@ class DecodeLoop:
             starts = [starts[r] for r in order]
             firsts = [firsts[r] for r in order]
         out = self._layers(x, cos, sin, caches, starts, firsts, pooled, pages)
-        if order is None:
-            return out
-        return out.index_select(0, torch.tensor(order).argsort())
+        return out if index is None else out.index_select(0, index.argsort())
 
     def _layers(
         self,
