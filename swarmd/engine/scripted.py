@@ -346,9 +346,9 @@ class DecodeLoop:
         pooled = [several and all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
         pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
         order = pages.order
-        index = None if order is None else torch.tensor(order)
-        if order is not None and index is not None:  # each group's rows side by side
-            # (a row's bits never depend on its place)
+        index = None
+        if order is not None:  # each group's rows side by side (a row's bits never move)
+            index = torch.tensor(order)
             x = x.index_select(0, index)
             cos = [c.index_select(0, index) for c in cos]
             sin = [s.index_select(0, index) for s in sin]
