@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from swarmd.errors import InvalidRequestError, UnsupportedError
-from swarmd.model.grammar import GrammarSpec
+from swarmd.model.grammar import GrammarSpec, held_form
 from swarmd.model.sampling import MAX_TOP_LOGPROBS
 from swarmd.model.text import ChatMessage
 from swarmd.pipeline import bounds
@@ -143,7 +143,10 @@ class JsonSchemaFormat(BaseModel):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the schema is enforced either way (constrained decoding)
+    # Strict: every keyword enforced, a 400 for one that cannot be; otherwise those are
+    # dropped and the rest enforced (`grammar.held_form`), as OpenAI's non-strict mode takes
+    # any schema. Either way the reply is held to the schema by constrained decoding.
+    strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -165,6 +168,7 @@ class ResponseFormat(BaseModel):
         schema = self.json_schema.schema_
         if schema is None:  # a name alone: any JSON object
             return GrammarSpec("json_object", "")
+        schema = held_form(schema, bool(self.json_schema.strict))
         return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":")))
 
 

@@ -37,7 +37,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 GrammarKind = Literal["json_object", "json_schema", "tool_calls"]
 GRAMMAR_KINDS: tuple[str, ...] = get_args(GrammarKind)
 MAX_GRAMMAR_BYTES = 64 * 1024  # a spec's source, UTF-8 (schemas of real APIs are far smaller)
+# Objects and arrays in a spec's source, nested: real schemas take a few dozen; llguidance
+# gives up at about 300 and a walk over one in Python recursing that deep would overflow.
+MAX_SCHEMA_DEPTH = 128
 MAX_TOOL_FUNCTIONS = 128  # OpenAI's bound on `tools`
 MAX_WRAPPER_CHARS = 256  # each text around a call
 COMPILED_CACHE_SIZE = 64  # compiled grammars kept per vocabulary
@@ -395,16 +398,7 @@ def _closed(schema: Any, root: Any = None) -> Any:
     if not isinstance(schema, dict):
         return schema
     root = schema if root is None else root
-    out = _merge_all_of(dict(schema), root)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key], root)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(s, root) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s, root) for name, s in out[key].items()}
+    out = _subschemas_mapped(_merge_all_of(dict(schema), root), lambda s: _closed(s, root))
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -465,6 +459,151 @@ def _local_ref(branch: Any, root: Any) -> Any:
     return node
 
 
+def held_form(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
+    """A client's schema (`response_format`'s, a tool's `parameters`) as the stages are
+    sent it: `as_enforced`, and `relaxed` unless `strict`."""
+    enforced = as_enforced(schema)
+    return enforced if strict else relaxed(enforced)
+
+
+def as_enforced(schema: Any, drop_far: bool = False) -> Any:
+    """`schema` in a form llguidance makes a grammar of, met by every reply that meets it,
+    so that a strict schema stays strictly kept:
+
+    - numeric bounds past what llguidance turns into a grammar are brought in to what it
+      does (`_BOUND_LIMITS`): `maximum` 2^63 - 1 or 1.8e308 (the range of an int64 or a
+      double, as schema generators write it) becomes 2^62 or 1e18; a bound that cannot
+      be brought in (a `minimum` of 1e30) stays, for `compile_grammar` to refuse, or
+      goes with `drop_far` (`relaxed`);
+    - a `format` llguidance does not know (pydantic's "binary" for bytes and "password"
+      for a SecretStr, OpenAPI's "int64") is dropped: JSON schema makes a format an
+      annotation unless a validator opts in, so any string meets it either way (the
+      formats llguidance knows, "date-time", "email", ..., it enforces)."""
+    if not isinstance(schema, dict) or _deeper_than(schema, MAX_SCHEMA_DEPTH):
+        return schema  # (too deep: `compile_grammar` says so)
+    return _enforced_form(schema, drop_far)
+
+
+def _enforced_form(schema: Any, drop_far: bool) -> Any:
+    """`as_enforced` of a schema known to nest within bounds."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("format"), str) and not _known_format(out["format"]):
+        del out["format"]
+    limit = _bound_limit(out)
+    for exclusive, inclusive, sign in _BOUNDS:
+        value = out.get(exclusive)
+        if _number(value) and sign * value > limit:
+            del out[exclusive]
+            out.setdefault(inclusive, sign * limit)
+        value = out.get(inclusive)
+        if _number(value) and sign * value > limit:
+            out[inclusive] = sign * limit
+    if drop_far:
+        for key in _NUMERIC_BOUNDS:
+            if _number(out.get(key)) and abs(out[key]) > limit:
+                del out[key]
+    return _subschemas_mapped(out, lambda s: _enforced_form(s, drop_far))
+
+
+def _bound_limit(schema: dict[str, Any]) -> float:
+    return _BOUND_LIMITS[schema.get("type") in ("integer", ["integer"])]
+
+
+def _number(value: Any) -> bool:
+    return type(value) in (int, float)  # (not a bool: draft 4's exclusiveMaximum: true)
+
+
+# The bounds llguidance 1.9 makes a grammar of (measured: integers past about 2^63 and
+# numbers past 1e18 fail "Failed to generate regex for ... range"): [number, integer].
+_BOUND_LIMITS = (1e18, 2**62)
+_BOUNDS = (("exclusiveMaximum", "maximum", 1), ("exclusiveMinimum", "minimum", -1))
+_NUMERIC_BOUNDS = frozenset(k for pair in _BOUNDS for k in pair[:2])
+
+
+def relaxed(schema: Any) -> Any:
+    """A schema that is not strict, as far as it can be enforced.
+
+    OpenAI enforces a schema only under `strict: true`, where it refuses what it cannot
+    enforce; otherwise it takes any schema. So does swarmd: a strict schema is compiled
+    as it is (a 400 for what llguidance cannot hold a reply to), one that is not loses
+    those keywords (`_UNENFORCED`, numeric bounds `as_enforced` cannot bring in, then
+    `minProperties` / `maxProperties`, which llguidance counts only on some objects) and
+    is enforced in all the rest: llguidance's "lenient" mode, done here because the
+    stages compile what they are sent. A schema wrong in
+    another way stays wrong, for `compile_grammar` to refuse."""
+    if not isinstance(schema, dict) or _deeper_than(schema, MAX_SCHEMA_DEPTH):
+        return schema  # (too deep: `compile_grammar` says so)
+    if _enforceable(schema):
+        return schema
+    out = _enforced_form(_without(schema, _UNENFORCED), drop_far=True)
+    return out if _enforceable(out) else _without(out, _COUNTS)
+
+
+@functools.lru_cache(maxsize=256)
+def _known_format(name: str) -> bool:
+    return _enforceable({"type": "string", "format": name})
+
+
+def _enforceable(schema: dict[str, Any]) -> bool:
+    """Whether llguidance takes `schema` as `compile_grammar` would give it (no tokenizer
+    needed: the grammar alone is checked)."""
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_laid_out(_closed(schema)))
+    except (ValueError, TypeError, OverflowError):
+        return False
+    return not llguidance.LLMatcher.validate_grammar(grammar)
+
+
+def _without(schema: Any, keywords: frozenset[str]) -> Any:
+    """`schema` without `keywords`, in it and every subschema in it (a value, as of
+    `const`, `enum` or `default`, is data and stays as it is)."""
+    if not isinstance(schema, dict):
+        return schema
+    kept = {k: v for k, v in schema.items() if k not in keywords}
+    return _subschemas_mapped(kept, lambda s: _without(s, keywords))
+
+
+def _subschemas_mapped(schema: dict[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:
+    """`schema` (a fresh dict the caller owns) with `fn` applied to each of its direct
+    subschemas, in place."""
+    for key in _SUBSCHEMA:
+        if isinstance(schema.get(key), dict):
+            schema[key] = fn(schema[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            schema[key] = [fn(s) for s in schema[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            schema[key] = {name: fn(s) for name, s in schema[key].items()}
+    return schema
+
+
+_COUNTS = frozenset({"minProperties", "maxProperties"})
+# The JSON schema keywords llguidance 1.9 refuses as unimplemented (checked one by one).
+_UNENFORCED = frozenset(
+    {
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+        "$recursiveAnchor",
+    }
+)
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -542,9 +681,28 @@ def _lit(text: str) -> str:
 
 def _json_value(text: str, param: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise _Refusal(param, f"not valid JSON: {exc}") from exc
+    if _deeper_than(value, MAX_SCHEMA_DEPTH):
+        raise _Refusal(param, f"the schema is nested more than {MAX_SCHEMA_DEPTH} levels deep")
+    return value
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `value` (counted without
+    recursion: the walks over a schema recurse, a level of it taking a few frames)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        elif not isinstance(node, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in node)
+    return False
 
 
 class _Refusal(InvalidRequestError):

@@ -57,7 +57,7 @@ import jinja2
 
 from swarmd.errors import InvalidRequestError
 from swarmd.model.chat_template import compile_template
-from swarmd.model.grammar import MAX_TOOL_FUNCTIONS, ToolCallFormat, ToolFunction
+from swarmd.model.grammar import MAX_TOOL_FUNCTIONS, ToolCallFormat, ToolFunction, held_form
 from swarmd.model.tool_calls import PYTHON_TAG
 
 ToolFamily = Literal["hermes", "llama3", "mistral", "fallback"]
@@ -165,7 +165,8 @@ def check_tools(tools: object) -> list[ToolFunction]:
             raise _invalid(f"{at}.function.parameters", "expected a JSON schema object")
         if parameters.get("type", "object") != "object":
             raise _invalid(f"{at}.function.parameters", "the arguments must be a JSON object")
-        functions.append(ToolFunction(name, parameters))
+        # Not strict: the keywords no reply can be held to are dropped, not refused.
+        functions.append(ToolFunction(name, held_form(parameters, bool(strict))))
     return functions
 
 

@@ -21,6 +21,14 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 
 # (name, path, body, status, param, code)
+def _nested(depth: int) -> dict[str, Any]:
+    """An object schema whose one property is arrays of arrays, `depth` deep."""
+    schema: dict[str, Any] = {}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return {"type": "object", "properties": {"x": schema}}
+
+
 CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
     ("body not JSON", "chat", b"{not json", 400, None, "invalid_value"),
     ("JSON array body", "chat", b"[1, 2]", 400, None, "invalid_value"),
@@ -118,6 +126,27 @@ CASES: list[tuple[str, str, Any, int, str | None, str | None]] = [
         ),
         400,
         "response_format",
+        "invalid_value",
+    ),
+    (
+        "a schema nested deeper than any grammar library reads",
+        "chat",
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": _nested(500)},
+            }
+        ),
+        400,
+        "response_format",
+        "invalid_value",
+    ),
+    (
+        "tool parameters nested deeper than any grammar library reads",
+        "chat",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(500)}}]),
+        400,
+        "tools[0].function.parameters",
         "invalid_value",
     ),
     (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import jsonschema
@@ -237,6 +237,29 @@ def messages(text: str = "Answer in JSON.") -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def sampled(
+    api: openai.AsyncOpenAI, schema: dict[str, Any], seed: int, strict: bool | None = True
+) -> Awaitable[Any]:
+    """A sampled reply held to `schema` (`strict` None: the key left out)."""
+    json_schema: dict[str, Any] = {"name": "s", "schema": schema}
+    if strict is not None:
+        json_schema["strict"] = strict
+    return api.chat.completions.create(
+        model="tiny",
+        messages=messages(),  # type: ignore[arg-type]
+        temperature=1.0,
+        seed=seed,
+        max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": json_schema},  # type: ignore[typeddict-item]
+    )
+
+
+def assert_meets(reply: Any, schema: dict[str, Any]) -> None:
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 async def test_every_schema_gives_a_reply_that_validates(
     api: openai.AsyncOpenAI, temperature: float
@@ -270,20 +293,7 @@ async def test_fractional_numbers_validate_in_sampled_replies(api: openai.AsyncO
         "required": ["price", "delta"],
     }
     for seed in range(4):
-        reply = await api.chat.completions.create(
-            model="tiny",
-            messages=messages(),  # type: ignore[arg-type]
-            temperature=1.0,
-            seed=seed,
-            max_tokens=200,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "n", "schema": schema, "strict": True},
-            },
-        )
-        choice = reply.choices[0]
-        assert choice.finish_reason == "stop", choice.message.content
-        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+        assert_meets(await sampled(api, schema, seed), schema)
 
 
 async def test_json_object_gives_an_object_and_the_stream_the_same(api: openai.AsyncOpenAI) -> None:
@@ -447,3 +457,60 @@ async def test_grammars_logprobs_and_tools_at_once_each_get_their_reply_alone(
     assert list(together) == alone
     runtime = api.node.runtime  # type: ignore[attr-defined]
     assert runtime.batched_rows > runtime.batches
+
+
+# uniqueItems and not: JSON schema llguidance cannot hold a reply to. The rest of it can.
+UNENFORCED = {
+    "type": "object",
+    "properties": {
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["red", "green", "blue"]},
+            "maxItems": 3,
+            "uniqueItems": True,
+        },
+        "n": {"type": "integer", "minimum": 1, "maximum": 5, "not": {"const": 3}},
+    },
+    "required": ["tags", "n"],
+}
+ENFORCED = {  # what is left of it
+    **UNENFORCED,
+    "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+        "n": {"type": "integer", "minimum": 1, "maximum": 5},
+    },
+    "additionalProperties": False,
+}
+
+
+async def test_what_cannot_be_enforced_is_dropped_unless_the_schema_is_strict(
+    api: openai.AsyncOpenAI,
+) -> None:
+    # Several at once, as OpenAI's default (strict absent) and said outright.
+    replies = await asyncio.gather(
+        *(sampled(api, UNENFORCED, seed, (None, False)[seed % 2]) for seed in range(4))
+    )
+    for reply in replies:
+        assert_meets(reply, ENFORCED)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sampled(api, UNENFORCED, 0, True)
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "response_format", error
+    assert "uniqueItems" in error["message"] or "not" in error["message"], error
+
+
+async def test_int64_double_and_bytes_fields_are_kept_strictly(api: openai.AsyncOpenAI) -> None:
+    # As generators write a long, a double and bytes: llguidance makes no grammar of those
+    # bounds, or of format "binary", as they are; in the form it enforces (the bounds
+    # narrowed, the format an annotation) every reply still meets the schema.
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+            "x": {"type": "number", "minimum": -1.7976931348623157e308, "maximum": 1e308},
+            "raw": {"type": "string", "format": "binary", "maxLength": 12},
+        },
+        "required": ["id", "x", "raw"],
+    }
+    for reply in await asyncio.gather(*(sampled(api, schema, seed) for seed in range(3))):
+        assert_meets(reply, schema)

@@ -285,3 +285,42 @@ async def test_bad_tool_requests_are_400s_naming_the_parameter(
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == param, error
     assert len(error["message"]) < 400 and "%json" not in error["message"], error
+
+
+async def test_parameters_that_cannot_all_be_enforced_are_a_400_only_when_strict(
+    api: openai.AsyncOpenAI,
+) -> None:
+    # A set of days (pydantic writes uniqueItems for one): llguidance cannot hold the
+    # arguments to uniqueItems; a function that is not strict gets the rest enforced.
+    days = {"type": "array", "items": {"enum": ["mon", "tue", "wed"]}, "maxItems": 3}
+    parameters = {
+        "type": "object",
+        "properties": {"days": {**days, "uniqueItems": True}},
+        "required": ["days"],
+    }
+    function = {"name": "plan", "parameters": parameters}
+    enforced = {**parameters, "properties": {"days": days}, "additionalProperties": False}
+    calls = await asyncio.gather(
+        *(
+            api.chat.completions.create(
+                **ask(
+                    tools=[{"type": "function", "function": function}],
+                    tool_choice="required",
+                    parallel_tool_calls=False,
+                    temperature=1.0,
+                    seed=seed,
+                )
+            )
+            for seed in range(3)
+        )
+    )
+    for reply in calls:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), enforced)
+    strict = {"type": "function", "function": {**function, "strict": True}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        await api.chat.completions.create(**ask(tools=[strict], tool_choice="auto"))
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "tools[0].function.parameters", error

@@ -23,7 +23,9 @@ from swarmd.model.grammar import (
     ToolCallFormat,
     ToolFunction,
     Vocabulary,
+    as_enforced,
     compile_grammar,
+    relaxed,
 )
 from swarmd.model.text import TextCodec
 
@@ -569,6 +571,9 @@ BAD_SCHEMAS = {
     "huge default": '{"type": "object", "properties": {"n": {"type": "integer", '
     '"default": 100000000000000000000}}}',
     "huge enum": '{"enum": [1, -100000000000000000000]}',
+    # Deeper than llguidance reads (a 500 from Python's recursion limit before 0.5.4).
+    "nested 128 deep": '{"type": "array", "items": ' * 127 + "{}" + "}" * 127,
+    "nested 600 deep": '{"type": "array", "items": ' * 600 + "{}" + "}" * 600,
 }
 
 
@@ -581,6 +586,157 @@ def test_a_schema_that_cannot_be_enforced_is_a_400(name: str, vocab: Vocabulary)
     assert len(str(caught.value)) < 400
 
 
+NAMED = obj({"name": NAME, "n": {"type": "integer", "minimum": 0, "maximum": 9}}, [])
+# Keywords llguidance cannot enforce, each in a schema a client might send (pydantic writes
+# `uniqueItems` for a set, `propertyNames` for a dict with Literal keys, and so on).
+UNENFORCED = {
+    "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "contains": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}},
+    "not": {"type": "string", "maxLength": 4, "not": {"const": "no"}},
+    "if/then/else": {
+        "type": "string",
+        "if": {"maxLength": 2},
+        "then": {"pattern": "^a"},
+        "else": {"pattern": "^b"},
+    },
+    "dependentRequired": {**NAMED, "dependentRequired": {"name": ["n"]}},
+    "propertyNames": {
+        "type": "object",
+        "propertyNames": {"pattern": "^[a-z]+$"},
+        "additionalProperties": {"type": "integer"},
+    },
+    "minProperties of optional ones": {
+        **NAMED,
+        "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9},
+        "minProperties": 1,
+    },
+    "unevaluatedProperties": {**NAMED, "unevaluatedProperties": False},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNENFORCED))
+def test_what_cannot_be_enforced_is_refused_strict_and_dropped_otherwise(
+    name: str, vocab: Vocabulary, codec: TextCodec, width: int
+) -> None:
+    schema = UNENFORCED[name]
+    with pytest.raises(InvalidRequestError) as caught:  # as a strict schema sends it
+        compile_grammar(schema_spec(schema), vocab)
+    assert caught.value.param == "response_format"
+    # Not strict: deep in a schema too, the rest of which is still enforced.
+    nested = obj({"inner": {"type": "array", "items": schema, "maxItems": 2}}, ["inner"])
+    loose = relaxed(nested)
+    constraint = Constraint(compile_grammar(schema_spec(loose), vocab))
+    value = json.loads(codec.decode(generate(constraint, 3, structure_bias(codec, width))))
+    assert constraint.finished
+    jsonschema.validate(value, loose)
+    assert _takes(schema_spec(loose), '{"inner": []}', vocab, codec)
+    assert not _takes(schema_spec(loose), "{}", vocab, codec)  # required
+    assert not _takes(schema_spec(loose), '{"inner": [], "x": 1}', vocab, codec)  # closed
+
+
+def test_relaxing_drops_keywords_of_subschemas_only() -> None:
+    data = {"not": 1, "uniqueItems": True}  # a value, not a schema: kept as it is
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "array", "uniqueItems": True, "const": [data]},
+            "tags": {"type": "array", "items": {"type": "string", "not": {"const": ""}}},
+        },
+        "$defs": {"T": {"anyOf": [{"type": "array", "contains": {"type": "integer"}}]}},
+        "required": ["not", "tags"],
+        "minProperties": 1,  # llguidance counts the properties of this object
+        "default": {"uniqueItems": True},
+    }
+    assert relaxed(schema) == {
+        "type": "object",
+        "properties": {
+            "not": {"type": "array", "const": [data]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "$defs": {"T": {"anyOf": [{"type": "array"}]}},
+        "required": ["not", "tags"],
+        "minProperties": 1,
+        "default": {"uniqueItems": True},
+    }
+    # Optional properties beside free ones: llguidance cannot count them, the bound goes.
+    free = {**schema, "required": ["tags"], "additionalProperties": True, "minProperties": 2}
+    assert "minProperties" not in relaxed(free)
+    # What can be enforced stays as it is; what is wrong otherwise stays wrong.
+    assert relaxed(SCHEMAS["flat"]) is SCHEMAS["flat"]
+    deep = json.loads(BAD_SCHEMAS["nested 600 deep"])
+    assert relaxed(deep) is deep  # (compile_grammar refuses it)
+    assert relaxed({"type": "frobnicate", "uniqueItems": True}) == {"type": "frobnicate"}
+
+
+# Bounds as schema generators write them for an int64, a double or a float32: llguidance
+# makes no grammar of them as they are.
+WIDE_BOUNDS = {
+    "int64": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1},
+    "uint64": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},
+    "double": {"type": "number", "minimum": -1.7976931348623157e308, "maximum": 1.7e308},
+    "float32 exclusive": {
+        "type": "number",
+        "exclusiveMinimum": -3.4028234663852886e38,
+        "exclusiveMaximum": 3.4028234663852886e38,
+    },
+    "positive double": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e300},
+}
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_BOUNDS))
+def test_wide_bounds_are_narrowed_so_that_every_reply_still_meets_them(
+    name: str, vocab: Vocabulary, codec: TextCodec
+) -> None:
+    schema = obj({"n": WIDE_BOUNDS[name], "m": WIDE_BOUNDS[name]})
+    if name != "uint64":  # (llguidance takes that one as it is)
+        with pytest.raises(InvalidRequestError):
+            compile_grammar(schema_spec(schema), vocab)
+    spec = schema_spec(as_enforced(schema))  # as a strict schema is sent
+    for seed in range(3):
+        constraint = Constraint(compile_grammar(spec, vocab))
+        value = json.loads(codec.decode(generate(constraint, seed)))
+        assert constraint.finished
+        jsonschema.validate(value, schema)  # the schema as the client wrote it
+    negatives = name in ("int64", "double", "float32 exclusive")
+    assert _takes(spec, '{"n": -12, "m": 7}', vocab, codec) == negatives
+
+
+def test_an_unknown_format_is_an_annotation_and_a_known_one_is_enforced(
+    vocab: Vocabulary, codec: TextCodec
+) -> None:
+    schema = obj(
+        {
+            "data": {"type": "string", "format": "binary", "maxLength": 8},  # pydantic bytes
+            "key": {"type": "string", "format": "password", "maxLength": 8},  # SecretStr
+            "id": {"type": "integer", "format": "int64", "minimum": 0, "maximum": 99},
+            "at": {"type": "string", "format": "date"},
+        }
+    )
+    with pytest.raises(InvalidRequestError):  # as written
+        compile_grammar(schema_spec(schema), vocab)
+    spec = schema_spec(as_enforced(schema))  # strict or not
+    assert json.loads(spec.source)["properties"]["at"]["format"] == "date"
+    constraint = Constraint(compile_grammar(spec, vocab))
+    value = json.loads(codec.decode(generate(constraint, 5)))
+    assert constraint.finished
+    jsonschema.validate(value, schema)
+    good = '{"data": "x", "key": "y", "id": 3, "at": "2026-12-05"}'
+    assert _takes(spec, good, vocab, codec)
+    assert not _takes(spec, good.replace("2026-12-05", "yesterday"), vocab, codec)
+
+
+def test_a_bound_that_cannot_be_narrowed_is_refused_strict_and_dropped_otherwise(
+    vocab: Vocabulary,
+) -> None:
+    far = obj({"n": {"type": "number", "minimum": 1e30}, "k": {"type": "integer", "maximum": 3}})
+    assert as_enforced(far) == far
+    with pytest.raises(InvalidRequestError):
+        compile_grammar(schema_spec(as_enforced(far)), vocab)
+    loose = relaxed(as_enforced(far))
+    assert loose["properties"] == {"n": {"type": "number"}, "k": far["properties"]["k"]}
+    compile_grammar(schema_spec(loose), vocab)
+
+
 BAD_TOOLS = {
     "not json": "{",
     "no functions": '{"functions": []}',
@@ -589,6 +745,11 @@ BAD_TOOLS = {
     "unknown key": '{"functions": [{"name": "f"}], "prelude": "x"}',
     "bad schema": '{"functions": [{"name": "f", "parameters": {"type": "frobnicate"}}]}',
     "parallel not bool": '{"functions": [{"name": "f"}], "parallel": "yes"}',
+    "nested 600 deep": '{"functions": [{"name": "f", "parameters": '
+    + '{"type": "array", "items": ' * 600
+    + "{}"
+    + "}" * 601
+    + "]}",
 }
 
 
