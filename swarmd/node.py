@@ -356,8 +356,7 @@ class Node:
         coordinates without layers: the variant it chose (all of them until it has)."""
         held = self.held.get(model_id)
         if held is not None:
-            model = held.model
-            variant = Variant(model.source.content_id, model.weights, model.dtype_name)
+            variant = held.model.variant
         else:
             common = self._common.get(model_id)
             variant = common.variant if common is not None else None

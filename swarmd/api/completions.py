@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 import uuid
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from swarmd import __version__
 from swarmd.api import keys
 from swarmd.api.choices import Choices, choice_requests, run_all
 from swarmd.api.errors import classify
@@ -34,6 +36,7 @@ from swarmd.errors import (
     ModelNotFoundError,
     SwarmError,
 )
+from swarmd.model.common import Variant
 from swarmd.model.grammar import GrammarSpec, ToolCallFormat, check_tool_parameters
 from swarmd.model.sampling import SamplingParams, random_seed
 from swarmd.model.tool_calls import StreamEvent, ToolCallStreamer, parse_tool_calls
@@ -60,6 +63,7 @@ class _Reply:
     reply_id: str
     model: str
     created: int
+    fingerprint: str  # OpenAI's `system_fingerprint` (`_fingerprint`)
     include_usage: bool
     return_token_ids: bool
     logprobs: LogprobsWriter | None  # when the request asked for logprobs
@@ -117,6 +121,7 @@ class _Reply:
             "object": self.chunk_name,
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if self.include_usage:
@@ -186,7 +191,22 @@ def _usage(gens: list[Generation]) -> dict[str, Any]:
         "completion_tokens": done,
         "total_tokens": prompt + done,
         "prompt_tokens_details": {"cached_tokens": sum(gen.cached_tokens for gen in leads)},
+        # Every token is in the reply: none is reasoning kept from it, nor a prediction.
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
     }
+
+
+def _fingerprint(v: Variant) -> str:
+    """OpenAI's `system_fingerprint`: what a reply's tokens depend on besides the request
+    and the machines: swarmd's version, the model's content, and the format its weights
+    are held and computed in (every stage of a route holds that same variant). With a
+    `seed`, a changed fingerprint says why a reply may have changed."""
+    key = f"swarmd {__version__} {v.content_id} {v.weights} {v.dtype_name}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _reply_length(prompt_len: int, requested: int | None, context: int, prompt_param: str) -> int:
@@ -431,6 +451,7 @@ async def _complete(request: web.Request, kind: Kind) -> web.StreamResponse:
         reply_id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
         model=model.model_id,
         created=int(time.time()),
+        fingerprint=_fingerprint(model.variant),
         include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         return_token_ids=bool(req.return_token_ids),
         logprobs=(
@@ -497,6 +518,7 @@ async def _whole(
         "object": reply.object_name,
         "created": reply.created,
         "model": reply.model,
+        "system_fingerprint": reply.fingerprint,
         "choices": [choice for _, choice in done],
         "usage": _usage(gens),
         "swarm": summary,

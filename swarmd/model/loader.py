@@ -31,7 +31,7 @@ from swarmd.dtypes import (
     weights_label,
 )
 from swarmd.errors import ConfigError, ModelLoadError
-from swarmd.model.common import config_context_length, config_num_layers
+from swarmd.model.common import Variant, config_context_length, config_num_layers
 from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_grammar
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
@@ -61,6 +61,10 @@ class LoadedModel:
     @property
     def num_layers(self) -> int:
         return config_num_layers(self.config)
+
+    @property
+    def variant(self) -> Variant:
+        return Variant(self.source.content_id, self.weights, self.dtype_name)
 
     @property
     def context_length(self) -> int:

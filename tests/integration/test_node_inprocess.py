@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import pytest
 
+from swarmd.api import completions
 from swarmd.errors import InternalError
 from tests.integration.conftest import NodeFactory, body, hold_steps, poll
 
@@ -221,3 +224,38 @@ async def test_a_node_that_takes_no_peers_sessions_announces_no_room_for_them(
     record = held.record("p", (), "", 1.0, 60.0)
     assert record.kv_budget_tokens == 0 and record.free_kv_tokens == 0
     assert held.kv_budget.total == 4096  # its own requests keep the whole budget
+
+
+async def test_replies_carry_one_system_fingerprint_and_openais_usage_details(
+    make_node: NodeFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = await make_node()
+    async with aiohttp.ClientSession() as http:
+        url = f"{node.api_url}/v1"
+        whole = await (await http.post(f"{url}/chat/completions", json=body(max_tokens=3))).json()
+        response = await http.post(
+            f"{url}/chat/completions",
+            json=body(max_tokens=3, stream=True, stream_options={"include_usage": True}),
+        )
+        chunks = [e for e in await read_events(response) if e != "[DONE]"]
+        text = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+        legacy = await (await http.post(f"{url}/completions", json=text)).json()
+    fingerprint = whole["system_fingerprint"]
+    assert re.fullmatch(r"fp_[0-9a-f]{12}", fingerprint)
+    assert {c["system_fingerprint"] for c in chunks} == {fingerprint}
+    assert legacy["system_fingerprint"] == fingerprint
+    for usage in (whole["usage"], chunks[-1]["usage"], legacy["usage"]):
+        assert usage["completion_tokens_details"]["reasoning_tokens"] == 0
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+    # It changes with what the tokens depend on: the weights' format, their content, and
+    # swarmd's version.
+    variant = node.held["tiny"].model.variant
+    assert completions._fingerprint(variant) == fingerprint
+    for changed in (
+        replace(variant, weights="int8"),
+        replace(variant, content_id="0" * 64),
+        replace(variant, dtype_name="bfloat16"),
+    ):
+        assert completions._fingerprint(changed) != fingerprint
+    monkeypatch.setattr(completions, "__version__", "99.0.0")
+    assert completions._fingerprint(variant) != fingerprint
