@@ -72,8 +72,9 @@ class Matrix:
         self.dot_packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()
         self.s = self.scale_zero[..., 0].float().contiguous()
         self.z = self.scale_zero[..., 1].float().contiguous()
-        expand = lambda t: t.repeat_interleave(GROUP, 0).T  # noqa: E731  [N, K]
-        self.dense = (q.float() - 8) * expand(self.s) + expand(self.z)
+        # [K/32, N] -> [N, K]: each group's scale and zero over its 32 weights
+        scale, zero = (t.repeat_interleave(GROUP, 0).T for t in (self.s, self.z))
+        self.dense = (q.float() - 8) * scale + zero
 
     def torch_mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -461,9 +461,11 @@ def _local_ref(branch: Any, root: Any) -> Any:
 
 def held_form(schema: dict[str, Any], strict: bool) -> dict[str, Any]:
     """A client's schema (`response_format`'s, a tool's `parameters`) as the stages are
-    sent it: `as_enforced`, and `relaxed` unless `strict`."""
-    enforced = as_enforced(schema)
-    return enforced if strict else relaxed(enforced)
+    sent it: `as_enforced`, and `relaxed` unless `strict` (its depth checked once)."""
+    if _deeper_than(schema, MAX_SCHEMA_DEPTH):
+        return schema  # (too deep: `compile_grammar` says so)
+    enforced = _enforced_form(schema, drop_far=False)
+    return enforced if strict else _relaxed(enforced)
 
 
 def as_enforced(schema: Any, drop_far: bool = False) -> Any:
@@ -535,6 +537,11 @@ def relaxed(schema: Any) -> Any:
     another way stays wrong, for `compile_grammar` to refuse."""
     if not isinstance(schema, dict) or _deeper_than(schema, MAX_SCHEMA_DEPTH):
         return schema  # (too deep: `compile_grammar` says so)
+    return _relaxed(schema)
+
+
+def _relaxed(schema: dict[str, Any]) -> dict[str, Any]:
+    """`relaxed` of a schema known to nest within bounds."""
     if _enforceable(schema):
         return schema
     out = _enforced_form(_without(schema, _UNENFORCED), drop_far=True)
