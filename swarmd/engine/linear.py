@@ -7,6 +7,10 @@
 - `Int4`: torch's CPU-packed int4 with [K/32, N, 2] scales and zeros,
   `_weight_int4pack_mm_for_cpu`. Both quantized kernels are vectorised only for bfloat16
   activations (float32 takes a scalar path 10-20x slower), hence the default dtype.
+- `Int4Dot`, `Int8Dot`: the same matrices for swarmd's own kernels (`native.py`,
+  `bf16_dot.cpp`: bfloat16 dot products), taken for bfloat16 activations where they
+  loaded. Against torch's, 2 threads: int4 1.35x on one row, 1.8x on eight; the int8 head
+  of the embedded model 2.4x on one row, 2.8x on eight.
 
 `Projection` fuses several matrices that read the same input (q, k and v; gate and up)
 into one call per format: one matmul instead of three, outputs split as views.
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
+from swarmd.engine import native
 from swarmd.errors import ModelLoadError
 from swarmd.model import quant
 from swarmd.model.quant import Stored, stored_format
@@ -122,7 +127,20 @@ def _one_row_rounds_alike(weight: torch.Tensor) -> bool:
     )
 
 
-class Int8:
+class _Quantized:
+    """A quantized kernel's product, then the bias (in the activations' dtype) if any."""
+
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._product(x)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8(_Quantized):
     fmt = "int8"
 
     def __init__(self, weight: quant.Int8, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -131,12 +149,11 @@ class Int8:
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features = int(self.values.shape[0])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(x, self.values, self.scale)
-        return out if self.bias is None else out.add_(self.bias)
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.values, self.scale)
 
 
-class Int4:
+class Int4(_Quantized):
     fmt = "int4"
 
     def __init__(self, weight: quant.Int4, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -152,19 +169,56 @@ class Int4:
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features = n
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, INT4_GROUP, self.scale_zero
         )
-        return out if self.bias is None else out.add_(self.bias)
+
+
+class Int4Dot(_Quantized):
+    fmt = "int4"
+
+    def __init__(self, weight: quant.Int4, bias: torch.Tensor | None, op: native.Ops) -> None:
+        n, k = weight.shape
+        if not native.int4_fits(n, k):
+            raise ModelLoadError(f"an int4 matrix must be N % 16 == 0, K % 32 == 0, not {n}x{k}")
+        self.packed = native.block_int4(weight.values)  # uint8 [N/16, K/2, 16]
+        self.scale = weight.scale.float().T.contiguous()  # [K/32, N], float32 (not rounded)
+        self.zero = weight.zero.float().T.contiguous()
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.out_features = n
+        self._op = op.int4
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.packed, self.scale, self.zero)
+
+
+class Int8Dot(_Quantized):
+    fmt = "int8"
+
+    def __init__(self, weight: quant.Int8, bias: torch.Tensor | None, op: native.Ops) -> None:
+        n, k = weight.shape
+        if not native.int8_fits(n, k):
+            raise ModelLoadError(f"an int8 matrix must be N % 16 == 0, K % 2 == 0, not {n}x{k}")
+        self.packed = native.block_int8(weight.values)  # int8 [N/16, K/2, 16, 2]
+        self.scale = weight.scale.float().contiguous()  # [N], float32 (not rounded)
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.out_features = n
+        self._op = op.int8
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.packed, self.scale)
 
 
 def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -> Matrix:
     """The held matrix for a stored one (already in its target format)."""
+    ops = native.ops() if dtype == torch.bfloat16 else None
     if isinstance(stored, quant.Int4):
-        return Int4(stored, bias, dtype)
+        fits = ops is not None and native.int4_fits(*stored.shape)
+        return Int4Dot(stored, bias, ops) if fits and ops else Int4(stored, bias, dtype)
     if isinstance(stored, quant.Int8):
-        return Int8(stored, bias, dtype)
+        fits = ops is not None and native.int8_fits(*stored.shape)
+        return Int8Dot(stored, bias, ops) if fits and ops else Int8(stored, bias, dtype)
     return Dense(stored, None if bias is None else bias.to(stored.dtype), stored_format(stored))
 
 

@@ -15,7 +15,7 @@ import torch
 
 from swarmd.dtypes import QUANTIZED, head_format, held_format
 from swarmd.engine.arch import ArchSpec
-from swarmd.engine.linear import Matrix, Projection, make_matrix
+from swarmd.engine.linear import Int8Dot, Matrix, Projection, make_matrix
 from swarmd.engine.rope import RopeTable
 from swarmd.engine.stage import ACT, Embedding, LayerWeights, LeanStage
 from swarmd.errors import ModelLoadError
@@ -187,7 +187,10 @@ def _head(
         # A tied head on a stage that also holds the table: one tensor serves both (a last
         # shard's lm_head.weight is a copy of it).
         if embed.scale is not None:
-            return make_matrix(quant.Int8(embed.table, embed.scale), None, dtype)
+            head = make_matrix(quant.Int8(embed.table, embed.scale), None, dtype)
+            if isinstance(head, Int8Dot):
+                embed.share_blocked(head.packed)  # the [V, H] table is freed
+            return head
         return make_matrix(embed.table, None, dtype)
     name = "lm_head.weight"
     if name not in tensors:

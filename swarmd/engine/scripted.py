@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from swarmd.dtypes import INT4_GROUP
+from swarmd.engine import native
 from swarmd.engine.attention import BLOCK, MIN_ROWS, attend_rows
-from swarmd.engine.linear import Dense, Int4, Int8, Matrix, Projection
+from swarmd.engine.linear import Dense, Int4, Int4Dot, Int8, Int8Dot, Matrix, Projection
 
 if TYPE_CHECKING:
     from swarmd.engine.arch import ArchSpec
@@ -41,25 +42,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_DENSE, _INT8, _INT4 = 0, 1, 2  # `_matmul` spells them as literals: TorchScript reads no globals
+# `_matmul` spells them as literals: TorchScript reads no globals
+_DENSE, _INT8, _INT4, _INT4_DOT, _INT8_DOT = 0, 1, 2, 3, 4
 if (BLOCK, MIN_ROWS) != (64, 4):  # `_decode_layers` spells them as literals too
     raise ImportError("scripted.py's attention literals differ from attention.py's")
 _NONE = torch.empty(0)  # "absent" for an optional tensor (a real one is never empty)
 
 # One matrix: (kind, weight or values or packed, scale (empty for dense), bias or _NONE,
-# filler rows for a short input (dense only), an int: the fewest rows a dense kernel takes,
-# or int4's group size)
+# filler rows for a short input (dense) or the zeros (Int4Dot), an int: the fewest rows a
+# dense kernel takes, or int4's group size)
 MatrixArgs = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def _matmul(m: MatrixArgs, x: torch.Tensor) -> torch.Tensor:
-    """`linear.Dense`, `Int8` and `Int4` `__call__`, op for op."""
+    """`linear.Dense`, `Int8`, `Int4`, `Int4Dot` and `Int8Dot` `__call__`, op for op."""
     kind, a, b, bias, filler, n = m
-    if kind == 2:  # _INT4
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, n, b)
-        return out if bias.numel() == 0 else out.add_(bias)
-    if kind == 1:  # _INT8
-        out = torch.ops.aten._weight_int8pack_mm(x, a, b)
+    if kind != 0:  # quantized: the kernel's product, then the bias
+        if kind == 3:  # _INT4_DOT
+            out = torch.ops.swarmd.int4_bf16_mm(x, a, b, filler)
+        elif kind == 4:  # _INT8_DOT
+            out = torch.ops.swarmd.int8_bf16_mm(x, a, b)
+        elif kind == 2:  # _INT4
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, a, n, b)
+        else:  # _INT8
+            out = torch.ops.aten._weight_int8pack_mm(x, a, b)
         return out if bias.numel() == 0 else out.add_(bias)
     cast = x.dtype != a.dtype
     y = x.to(a.dtype) if cast else x
@@ -254,6 +260,7 @@ def _script() -> torch.jit.ScriptFunction | None:
     """The scripted loop, built once per process (about a second); None if it cannot be."""
     global _scripted, _script_failed
     if _scripted is None and not _script_failed:
+        native.ops()  # settles which kernels run, and registers the ops' names
         try:
             with warnings.catch_warnings():
                 # Deprecated, not gone (module docstring): the warning says nothing here.
@@ -269,6 +276,11 @@ def _matrix_args(m: Matrix) -> MatrixArgs | None:
     if isinstance(m, Int4):
         bias = _NONE if m.bias is None else m.bias
         return (_INT4, m.packed, m.scale_zero, bias, _NONE, INT4_GROUP)
+    if isinstance(m, Int4Dot):
+        bias = _NONE if m.bias is None else m.bias
+        return (_INT4_DOT, m.packed, m.scale, bias, m.zero, INT4_GROUP)
+    if isinstance(m, Int8Dot):
+        return (_INT8_DOT, m.packed, m.scale, _NONE if m.bias is None else m.bias, _NONE, 1)
     if isinstance(m, Int8):
         return (_INT8, m.values, m.scale, _NONE if m.bias is None else m.bias, _NONE, 1)
     if isinstance(m, Dense):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from swarmd.engine import native
 from swarmd.engine.arch import SLIDING, ArchSpec
 from swarmd.engine.attention import QueryGroup, chunk_queries, one_query, plan_chunk
 from swarmd.engine.kv import KVCache, KVPool
@@ -58,9 +59,17 @@ class Embedding:
         self.table = table  # [V, H] float, or int8 with `scale` [V] (shared with a tied head)
         self.scale = scale  # float32 [V] for an int8 table
         self.multiplier = multiplier  # Gemma: sqrt(hidden)
+        self.blocked = False  # the table is a tied Int8Dot head's (native.block_int8 layout)
+
+    def share_blocked(self, blocked: torch.Tensor) -> None:
+        """Read rows from a tied head's blocked copy of the int8 table (one copy held)."""
+        self.table, self.blocked = blocked, True
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = F.embedding(ids, self.table).to(ACT)  # [B, T, H]
+        if self.blocked:
+            rows = native.int8_rows(self.table, ids).to(ACT)  # [B, T, H]
+        else:
+            rows = F.embedding(ids, self.table).to(ACT)
         if self.scale is not None:
             rows = rows * self.scale[ids].unsqueeze(-1)
         return rows if self.multiplier == 1.0 else rows * self.multiplier

@@ -18,9 +18,12 @@ have the same property.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from swarmd.engine.linear import Dense, Int8, Matrix
+from swarmd.engine import native
+from swarmd.engine.linear import Dense, Int8, Int8Dot, Matrix
 
 _SCAN = 1024  # logits per block when looking for the near-best ones
 _COLUMNS = torch.arange(_SCAN)
@@ -36,8 +39,8 @@ def settle_near_ties(logits: torch.Tensor, normed: torch.Tensor, head: Matrix) -
     best = logits.amax(dim=-1, keepdim=True)  # [B, 1]
     # A bfloat16 step is 2^-7 to 2^-8 of the number: |best| / 64 is 2 to 4 steps.
     row, col = _at_least(logits, best - best.abs() * 2.0**-6)
-    weights, scale, bias = rows
-    exact = (weights[col].float() * normed[row]).sum(-1)
+    take, scale, bias = rows
+    exact = (take(col).float() * normed[row]).sum(-1)
     if scale is not None:
         exact = exact * scale[col].float()
     if bias is not None:
@@ -64,13 +67,19 @@ def _at_least(logits: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, 
     return row, col
 
 
-def _rows_fp32(
-    head: Matrix,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-    """(values, scale or None, bias or None) of a head whose logits are rounded to a
-    16-bit float; None for a float32 head (already exact) or another format."""
+Rows = Callable[[torch.Tensor], torch.Tensor]  # columns [C] -> their weight rows [C, K]
+
+
+def _rows_fp32(head: Matrix) -> tuple[Rows, torch.Tensor | None, torch.Tensor | None] | None:
+    """(rows of the held weights, scale or None, bias or None) of a head whose logits are
+    rounded to a 16-bit float; None for a float32 head (already exact) or another format."""
+    if isinstance(head, Int8Dot):
+        blocked = head.packed
+        return lambda col: native.int8_rows(blocked, col), head.scale, head.bias
     if isinstance(head, Int8):
-        return head.values, head.scale, head.bias
+        values = head.values
+        return lambda col: values[col], head.scale, head.bias
     if isinstance(head, Dense) and head.weight.dtype != torch.float32:
-        return head.weight, None, head.bias
+        weight = head.weight
+        return lambda col: weight[col], None, head.bias
     return None

@@ -60,20 +60,26 @@ def perplexity_reference(model: Any, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
-def perplexity(model: LoadedModel, ids: list[int]) -> float:
+def reference_top(model: Any, ids: list[int]) -> torch.Tensor:
+    """The float32 reference's most likely next token at each position of `ids`."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].argmax(-1)
+
+
+def all_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] next-token logits of the model as a node holds it."""
     stage = model.stage
     cache = stage.new_cache(len(ids))
-    total = 0.0
+    out = []
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start : start + CHUNK]
-        logits = stage(torch.tensor([chunk]), cache, all_positions=True)[0]  # type: ignore[call-arg]
-        targets = ids[start + 1 : start + 1 + len(chunk)]
-        total += float(
-            torch.nn.functional.cross_entropy(
-                logits[: len(targets)], torch.tensor(targets), reduction="sum"
-            )
-        )
-    return math.exp(total / (len(ids) - 1))
+        out.append(stage(torch.tensor([chunk]), cache, all_positions=True)[0])  # type: ignore[call-arg]
+    return torch.cat(out)[: len(ids)]
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]))
+    return math.exp(float(nll))
 
 
 def greedy(model: LoadedModel, prompt: str, count: int) -> list[int]:
@@ -94,21 +100,30 @@ def test_quantized_formats_keep_the_float32_quality(
     prompts: list[str],
     reference_greedy: list[list[int]],
 ) -> None:
+    """Perplexity within 3% of float32's, and the same most likely next token as float32
+    at 94% of the text's positions or more (measured 97.5% int4 and 95.4% int8, on
+    swarmd's kernels and on torch's alike). Greedy replies to the prompts are printed, not
+    asserted: once a reply takes another of two near-equal tokens it differs to its end,
+    so how many of 20 match 16 tokens swings by chance (int8: 10 on swarmd's kernels, 12
+    on torch's, with the former nearer float32 by perplexity and by logits)."""
     # The embedded GGUF as a node holds it (int4 from its Q4_1 blocks, bit for bit); int8
     # requantizes those same weights once.
     model = load_model(ModelSource("smollm", smollm_dir), None, weights)
     assert model.backend == "engine" and model.weights == weights
     assert model.dtype_name == "bfloat16"
     base = perplexity_reference(reference, text_ids)
-    ppl = perplexity(model, text_ids)
+    logits = all_logits(model, text_ids)
+    ppl = perplexity(logits, text_ids)
+    top1 = float((logits.argmax(-1) == reference_top(reference, text_ids)).float().mean())
     agree = sum(
         greedy(model, prompt, GREEDY_TOKENS) == ref[:GREEDY_TOKENS]
         for prompt, ref in zip(prompts, reference_greedy, strict=True)
     )
     print(
         f"\n{weights}-bfloat16: perplexity {ppl:.3f} vs float32 {base:.3f} "
-        f"({100 * (ppl / base - 1):+.2f}%); greedy replies equal on the first "
+        f"({100 * (ppl / base - 1):+.2f}%); next token as float32's at {100 * top1:.2f}% "
+        f"of {len(text_ids)} positions; greedy replies equal on the first "
         f"{GREEDY_TOKENS} tokens for {agree} of {len(prompts)} prompts"
     )
     assert ppl <= base * 1.03
-    assert agree > len(prompts) // 2
+    assert top1 >= 0.94

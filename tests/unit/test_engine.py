@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from swarmd.engine import native
 from swarmd.engine.arch import arch_spec
 from swarmd.engine.linear import make_matrix
 from swarmd.engine.load import load_lean_stage
@@ -51,11 +53,17 @@ def make_tiny(family: str, out: Path) -> tuple[Path, torch.nn.Module]:
 
 
 def lean(path: Path, layers: LayerRange | None = None, weights: str = "fp32") -> LeanStage:
+    """`weights` "int4-torch": int4 (and the int8 head) on torch's kernels even where
+    swarmd's own loaded."""
     config = json.loads((path / "config.json").read_text())
     spec = arch_spec(config)
     span = layers or LayerRange(0, spec.num_layers)
     dtype = torch.float32 if weights == "fp32" else torch.bfloat16
-    return load_lean_stage(sorted(path.glob("*.safetensors")), spec, span, weights, dtype)
+    files = sorted(path.glob("*.safetensors"))
+    if weights == "int4-torch":
+        with mock.patch.object(native, "ops", return_value=None):
+            return load_lean_stage(files, spec, span, "int4", dtype)
+    return load_lean_stage(files, spec, span, weights, dtype)
 
 
 def prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -132,18 +140,19 @@ def test_views_share_weights_and_equal_stages_loaded_for_the_range(tmp_path: Pat
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16"])
+@pytest.mark.parametrize("weights", ["int4", "int4-torch", "int8", "bf16"])
 def test_quantized_formats_stay_close_to_float32(family: str, weights: str, tmp_path: Path) -> None:
     path, _ = make_tiny(family, tmp_path)
     exact = lean(path)
     quantized = lean(path, weights=weights)
-    assert quantized.weight_formats == {weights}
+    fmt = weights.removesuffix("-torch")
+    assert quantized.weight_formats == {fmt}
     ids = prompt(12, seed=5)
     a = exact(ids, exact.new_cache(12))[0]
     b = quantized(ids, quantized.new_cache(12))[0]
     # Random tiny weights are no model: only check the logits keep their shape.
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=0)
-    assert cosine > {"int4": 0.95, "int8": 0.995, "bf16": 0.999}[weights]
+    assert cosine > {"int4": 0.95, "int8": 0.995, "bf16": 0.999}[fmt]
 
 
 def test_a_session_that_would_pass_its_length_is_refused(tmp_path: Path) -> None:
@@ -178,7 +187,7 @@ CUTS = {
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
+@pytest.mark.parametrize("weights", ["int4", "int4-torch", "int8", "bf16", "fp32"])
 def test_any_cut_of_a_sequence_leaves_the_same_bits(
     family: str, weights: str, tmp_path: Path
 ) -> None:
@@ -208,7 +217,7 @@ def test_any_cut_of_a_sequence_leaves_the_same_bits(
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
+@pytest.mark.parametrize("weights", ["int4", "int4-torch", "int8", "bf16", "fp32"])
 def test_rows_batched_together_equal_each_row_alone(
     family: str, weights: str, tmp_path: Path
 ) -> None:
@@ -254,7 +263,7 @@ def test_rows_batched_together_equal_each_row_alone(
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("weights", ["int4", "int8", "bf16", "fp32"])
+@pytest.mark.parametrize("weights", ["int4", "int4-torch", "int8", "bf16", "fp32"])
 def test_scripted_decode_steps_equal_the_eager_ones_bit_for_bit(
     family: str, weights: str, tmp_path: Path
 ) -> None:
