@@ -112,6 +112,7 @@ async def health(request: web.Request) -> web.Response:
                 "weights": h.model.weights,
                 "dtype": h.model.dtype_name,
                 "backend": h.model.backend,
+                "kernels": h.model.kernels,  # whose int4/int8 kernels: swarmd, torch, none
                 "sessions": h.runtime.session_count,
                 "kv_budget_tokens": h.kv_budget.total,
                 "kv_reserved_tokens": h.kv_budget.reserved,

@@ -7,8 +7,8 @@
 // Why not torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`: they turn every
 // weight into float32 and do one float32 FMA per multiply-add, so from 4 rows on they run at
 // the FMA units' peak and a decode step of 8 sessions costs twice one of 4
-// (bench/kernels.py). `vdpbf16ps` does two multiply-adds a lane. For int4 a group's sum is
-// split as
+// (bench/quant_kernels.py). `vdpbf16ps` does two multiply-adds a lane. For int4 a group's
+// sum is split as
 //   sum_k a_k w_k = scale_g * sum_{k in g} a_k (q_k - 8)  +  zero_g * sum_{k in g} a_k
 // (q - 8) is exact in bfloat16 and a_k * (q_k - 8) exact in float32, so `vdpbf16ps` (two
 // multiply-adds a lane) sums a group without rounding any weight, and a group's scale and

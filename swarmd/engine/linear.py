@@ -283,6 +283,18 @@ class Projection:
     def formats(self) -> set[str]:
         return {m.fmt for m, _ in self.groups}
 
+    @property
+    def kernels(self) -> set[str]:
+        """Whose kernels its quantized matrices run: "swarmd" and/or "torch"."""
+        return {kind for m, _ in self.groups if (kind := quantized_kernel(m))}
+
+
+def quantized_kernel(matrix: Matrix) -> str | None:
+    """ "swarmd" or "torch" for a quantized matrix; None for a float one."""
+    if isinstance(matrix, Int4Dot | Int8Dot):
+        return "swarmd"
+    return "torch" if isinstance(matrix, Int4 | Int8) else None
+
 
 def _rows(stored: Stored) -> int:
     return int(stored.shape[0])

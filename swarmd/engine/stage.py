@@ -26,7 +26,7 @@ from swarmd.engine import native
 from swarmd.engine.arch import SLIDING, ArchSpec
 from swarmd.engine.attention import QueryGroup, chunk_queries, one_query, plan_chunk
 from swarmd.engine.kv import KVCache, KVPool
-from swarmd.engine.linear import Matrix, Projection
+from swarmd.engine.linear import Matrix, Projection, quantized_kernel
 from swarmd.engine.rope import RopeTable
 from swarmd.engine.scripted import DecodeLoop
 from swarmd.engine.ties import settle_near_ties
@@ -126,6 +126,18 @@ class LeanStage:
             for proj in (block.qkv, block.o, block.gate_up, block.down):
                 formats |= proj.formats
         return formats
+
+    @property
+    def quantized_kernels(self) -> str:
+        """Whose kernels the quantized matrices run ("swarmd", "torch", both joined by
+        "+"), or "none" where every matrix is a float one."""
+        kinds: set[str] = set()
+        for block in self.blocks:
+            for proj in (block.qkv, block.o, block.gate_up, block.down):
+                kinds |= proj.kernels
+        if self.head is not None and (kind := quantized_kernel(self.head)):
+            kinds.add(kind)
+        return "+".join(sorted(kinds)) or "none"
 
     def new_cache(self, max_length: int) -> KVCache:
         spec = self.spec

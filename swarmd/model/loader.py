@@ -63,6 +63,13 @@ class LoadedModel:
         return config_num_layers(self.config)
 
     @property
+    def kernels(self) -> str:
+        """Whose kernels its quantized matrices run: "swarmd", "torch", "swarmd+torch" or
+        "none" (README "Weights, compute dtype and the engine")."""
+        kinds = getattr(self.stage, "quantized_kernels", None)
+        return kinds if isinstance(kinds, str) else "none"
+
+    @property
     def variant(self) -> Variant:
         return Variant(self.source.content_id, self.weights, self.dtype_name)
 
@@ -138,7 +145,8 @@ def load_model(
             f"Layers {layer_range} of {source.model_id} do not run: {exc}"
         ) from exc
     log.info(
-        "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s) in %.2f s",
+        "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s; "
+        "int4/int8 kernels: %s) in %.2f s",
         source.model_id,
         layer_range,
         num_layers,
@@ -146,6 +154,7 @@ def load_model(
         weights_label(stage.weight_formats),
         dtype,
         "swarmd engine" if backend == ENGINE else "transformers modules",
+        getattr(stage, "quantized_kernels", "none"),
         time.monotonic() - started,
     )
     return LoadedModel(

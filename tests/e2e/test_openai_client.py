@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from swarmd.engine import native
 from swarmd.model.loader import load_model
 from swarmd.model.source import ModelSource
 from swarmd.model.text import ChatMessage
@@ -355,6 +357,9 @@ def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) ->
         "dtype": "bfloat16",
         "backend": "engine",
     }
+    # swarmd's int4/int8 kernels where this CPU and machine run them, else torch's
+    runnable = native.cpu_has_bf16_dot() and shutil.which("g++") is not None
+    assert held["kernels"] == ("swarmd" if runnable else "torch")
     # Per model, and in all: one model held, so the two agree.
     assert held["kv_budget_tokens"] == health["kv_budget_tokens"] > 0
     assert held["sessions"] == health["sessions"]

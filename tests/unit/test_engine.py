@@ -653,3 +653,13 @@ def test_a_choice_copies_its_siblings_prefilled_prompt(engine: str, tmp_path: Pa
     assert c0 == reply(fresh, "g", ids, 4)  # the copies took nothing from the sibling
     assert c1 == reply(fresh, "s", ids, 5)  # the seeded fork is a fresh prefill's reply
     assert runtime.prefix_hits == 2 and runtime.prefix_reused_tokens == 2 * (len(ids) - 1)
+
+
+def test_a_stage_says_whose_kernels_its_quantized_matrices_run(tmp_path: Path) -> None:
+    """What /health's `kernels` and the diagnostics report show."""
+    path, _ = make_tiny("llama", tmp_path)
+    ours = "swarmd" if native.ops() is not None else "torch"
+    assert lean(path, weights="int4").quantized_kernels == ours
+    assert lean(path, weights="int8").quantized_kernels == ours
+    assert lean(path, weights="int4-torch").quantized_kernels == "torch"
+    assert lean(path, weights="bf16").quantized_kernels == "none"

@@ -14,7 +14,7 @@ output. Ends with
 It needs swarmd's kernels (a CPU with avx512_bf16 and g++; `make native` builds them) and
 says so and exits 2 otherwise.
 
-Usage: .venv/bin/python bench/kernels.py [--levels 1,2,4,8,16] [--threads 2] [--reps 30]
+Usage: .venv/bin/python bench/quant_kernels.py [--levels 1,2,4,8,16] [--threads 2] [--reps 30]
 """
 
 from __future__ import annotations
