@@ -401,8 +401,14 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
 ) -> None:
     """Prefix reuse on a route: two conversations at once through two stages; each next
     turn goes back to the stages that hold its first turn, reuses those positions on both
-    (cached_tokens), answers first at least twice as fast, and says what a node that never
-    saw turn 1 says. Then a turn whose stages let the cache go prefills it all, right."""
+    (cached_tokens), answers first at least twice as fast as the same prompts prefilled
+    whole on the same route, two at once, and says what a node that never saw turn 1
+    says. Then a turn whose stages let the cache go prefills it all, right.
+
+    The time is held to the same prompts without reuse, not to turn 1's: these first turns
+    are short (both must fit the stages' prefix caches), and since swarmd's own kernels
+    prefill about twice as fast, a short first turn's time is mostly what any request
+    costs (CI: turn 1 224 ms, turn 2 113 ms)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.e2e.test_pipeline import LONG_PROMPT
@@ -447,7 +453,6 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < 40
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert first["usage"]["prompt_tokens"] < cached < second["usage"]["prompt_tokens"]
-        assert second["swarm"]["timing"]["ttft_ms"] <= first["swarm"]["timing"]["ttft_ms"] / 2
         status, fresh, _ = http_json(f"{embedded_node.url}/v1/chat/completions", body)
         assert status == 200  # it never saw turn 1: at most a shared start is copied
         fresh_cached = fresh["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -478,6 +483,23 @@ def test_next_turns_through_two_stages_reuse_every_stages_cache(
     assert "missed on the route" in node.log_text()
     status, fresh, _ = http_json(f"{embedded_node.url}/v1/chat/completions", later)
     assert status == 200 and missed["choices"][0]["message"] == fresh["choices"][0]["message"]
+    # The second turns' prompts again, two at once, each under a system message of its own
+    # (nothing to reuse): turn 2 answered first in at most half their time.
+    unseen = [
+        {
+            **body,
+            "messages": [
+                {"role": "system", "content": f"Unseen {run}, {i}."},
+                *body["messages"][1:],
+            ],
+        }
+        for i, body in enumerate(seconds)
+    ]
+    with ThreadPoolExecutor(2) as pool:
+        whole = list(pool.map(ask, unseen))
+    for second, prefilled in zip(turn2, whole, strict=True):
+        assert prefilled["usage"]["prompt_tokens_details"]["cached_tokens"] < 40
+        assert second["swarm"]["timing"]["ttft_ms"] <= prefilled["swarm"]["timing"]["ttft_ms"] / 2
     for stage in (two_stages["a"], two_stages["b"]):
         assert "peer banned" not in stage.log_text() and "stage failed" not in stage.log_text()
 
