@@ -23,8 +23,10 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -83,6 +85,35 @@ void block(const uint8_t* packed, const float* scale, const float* zero, const u
     }
 }
 
+// Every (block of 16 output columns, block of rows) of an [M, N] product, the column
+// blocks split among torch's threads: run(rows, nb, m0) with `rows` a
+// std::integral_constant of 8, 4, 2 or 1 (the rows from m0 that one call computes).
+template <typename Run>
+void each_block(int64_t M, int64_t K, int64_t N, const Run& run) {
+    // a task: at least ~64k multiply-adds, so small matrices do not pay for a thread
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * kCols * M));
+    at::parallel_for(0, N / kCols, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t nb = begin; nb < end; ++nb) {
+            for (int64_t m0 = 0; m0 < M;) {
+                const int64_t left = M - m0;
+                if (left >= 8) {
+                    run(std::integral_constant<int, 8>{}, nb, m0);
+                    m0 += 8;
+                } else if (left >= 4) {
+                    run(std::integral_constant<int, 4>{}, nb, m0);
+                    m0 += 4;
+                } else if (left >= 2) {
+                    run(std::integral_constant<int, 2>{}, nb, m0);
+                    m0 += 2;
+                } else {
+                    run(std::integral_constant<int, 1>{}, nb, m0);
+                    m0 += 1;
+                }
+            }
+        }
+    });
+}
+
 at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                         const at::Tensor& zero) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [M, K]");
@@ -113,32 +144,9 @@ at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     const float* s = sc.data_ptr<float>();
     const float* z = zc.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    // a task: at least ~64k multiply-adds, so small matrices do not pay for a thread
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * kCols * M));
-    at::parallel_for(0, N / kCols, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t nb = begin; nb < end; ++nb) {
-            const uint8_t* pk = p + nb * (K / 2) * kCols;
-            const int64_t n0 = nb * kCols;
-            for (int64_t m0 = 0; m0 < M;) {
-                const uint16_t* am = a + m0 * K;
-                uint16_t* om = o + m0 * N;
-                const float* sm = sums + m0 * groups;
-                const int64_t left = M - m0;
-                if (left >= 8) {
-                    block<8>(pk, s, z, am, sm, om, K, N, n0);
-                    m0 += 8;
-                } else if (left >= 4) {
-                    block<4>(pk, s, z, am, sm, om, K, N, n0);
-                    m0 += 4;
-                } else if (left >= 2) {
-                    block<2>(pk, s, z, am, sm, om, K, N, n0);
-                    m0 += 2;
-                } else {
-                    block<1>(pk, s, z, am, sm, om, K, N, n0);
-                    m0 += 1;
-                }
-            }
-        }
+    each_block(M, K, N, [&](auto rows, int64_t nb, int64_t m0) {
+        block<decltype(rows)::value>(p + nb * (K / 2) * kCols, s, z, a + m0 * K,
+                                     sums + m0 * groups, o + m0 * N, K, N, nb * kCols);
     });
     return out;
 }
@@ -187,30 +195,9 @@ at::Tensor int8_bf16_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     const int8_t* p = pc.data_ptr<int8_t>();
     const float* s = sc.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * kCols * M));
-    at::parallel_for(0, N / kCols, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t nb = begin; nb < end; ++nb) {
-            const int8_t* pk = p + nb * K * kCols;
-            const int64_t n0 = nb * kCols;
-            for (int64_t m0 = 0; m0 < M;) {
-                const uint16_t* am = a + m0 * K;
-                uint16_t* om = o + m0 * N;
-                const int64_t left = M - m0;
-                if (left >= 8) {
-                    block8<8>(pk, s, am, om, K, N, n0);
-                    m0 += 8;
-                } else if (left >= 4) {
-                    block8<4>(pk, s, am, om, K, N, n0);
-                    m0 += 4;
-                } else if (left >= 2) {
-                    block8<2>(pk, s, am, om, K, N, n0);
-                    m0 += 2;
-                } else {
-                    block8<1>(pk, s, am, om, K, N, n0);
-                    m0 += 1;
-                }
-            }
-        }
+    each_block(M, K, N, [&](auto rows, int64_t nb, int64_t m0) {
+        block8<decltype(rows)::value>(p + nb * K * kCols, s, a + m0 * K, o + m0 * N, K, N,
+                                      nb * kCols);
     });
     return out;
 }

@@ -20,6 +20,7 @@ converted to the format the stage holds) into the kernel's form.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -127,7 +128,7 @@ def _one_row_rounds_alike(weight: torch.Tensor) -> bool:
     )
 
 
-class _Quantized:
+class _Quantized(ABC):
     """A quantized kernel's product, then the bias (in the activations' dtype) if any."""
 
     bias: torch.Tensor | None
@@ -136,8 +137,8 @@ class _Quantized:
         out = self._product(x)
         return out if self.bias is None else out.add_(self.bias)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def _product(self, x: torch.Tensor) -> torch.Tensor: ...  # [M, K] -> [M, N]
 
 
 class Int8(_Quantized):
@@ -180,7 +181,7 @@ class Int4Dot(_Quantized):
 
     def __init__(self, weight: quant.Int4, bias: torch.Tensor | None, op: native.Ops) -> None:
         n, k = weight.shape
-        if not native.int4_fits(n, k):
+        if not quant.int4_fits(n, k):
             raise ModelLoadError(f"an int4 matrix must be N % 16 == 0, K % 32 == 0, not {n}x{k}")
         self.packed = native.block_int4(weight.values)  # uint8 [N/16, K/2, 16]
         self.scale = weight.scale.float().T.contiguous()  # [K/32, N], float32 (not rounded)
@@ -214,11 +215,12 @@ def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -
     """The held matrix for a stored one (already in its target format)."""
     ops = native.ops() if dtype == torch.bfloat16 else None
     if isinstance(stored, quant.Int4):
-        fits = ops is not None and native.int4_fits(*stored.shape)
-        return Int4Dot(stored, bias, ops) if fits and ops else Int4(stored, bias, dtype)
+        # a held int4 matrix always blocks (quant.int4_fits: torch's rule is the same)
+        return Int4(stored, bias, dtype) if ops is None else Int4Dot(stored, bias, ops)
     if isinstance(stored, quant.Int8):
-        fits = ops is not None and native.int8_fits(*stored.shape)
-        return Int8Dot(stored, bias, ops) if fits and ops else Int8(stored, bias, dtype)
+        if ops is None or not native.int8_fits(*stored.shape):
+            return Int8(stored, bias, dtype)
+        return Int8Dot(stored, bias, ops)
     return Dense(stored, None if bias is None else bias.to(stored.dtype), stored_format(stored))
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from swarmd.dtypes import INT4_GROUP
+from swarmd.model import quant
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +106,6 @@ def ops() -> Ops | None:
         return _ops
 
 
-def int4_fits(n: int, k: int) -> bool:
-    return n % COLUMNS == 0 and k % INT4_GROUP == 0
-
-
 def int8_fits(n: int, k: int) -> bool:
     return n % COLUMNS == 0 and k % 2 == 0
 
@@ -118,7 +114,7 @@ def block_int4(values: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] of 0..15 -> [N/16, K/2, 16]: per block of 16 output columns, byte j of
     pair p holds column j's weights 2p (low nibble) and 2p + 1 (high)."""
     n, k = values.shape
-    pairs = values[:, 0::2] | (values[:, 1::2] << 4)  # [N, K/2]
+    pairs = quant.pack_nibbles(values)  # [N, K/2]
     return pairs.view(n // COLUMNS, COLUMNS, k // 2).transpose(1, 2).contiguous()
 
 

@@ -17,6 +17,7 @@ a sliding window on most layers and embeddings scaled by sqrt(hidden).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -121,23 +122,20 @@ class LeanStage:
 
     @property
     def weight_formats(self) -> set[str]:
-        formats: set[str] = set()
-        for block in self.blocks:
-            for proj in (block.qkv, block.o, block.gate_up, block.down):
-                formats |= proj.formats
-        return formats
+        return {fmt for proj in self._projections() for fmt in proj.formats}
 
     @property
     def quantized_kernels(self) -> str:
         """Whose kernels the quantized matrices run ("swarmd", "torch", both joined by
         "+"), or "none" where every matrix is a float one."""
-        kinds: set[str] = set()
-        for block in self.blocks:
-            for proj in (block.qkv, block.o, block.gate_up, block.down):
-                kinds |= proj.kernels
+        kinds = {kind for proj in self._projections() for kind in proj.kernels}
         if self.head is not None and (kind := quantized_kernel(self.head)):
             kinds.add(kind)
         return "+".join(sorted(kinds)) or "none"
+
+    def _projections(self) -> Iterator[Projection]:
+        for block in self.blocks:
+            yield from (block.qkv, block.o, block.gate_up, block.down)
 
     def new_cache(self, max_length: int) -> KVCache:
         spec = self.spec

@@ -144,6 +144,9 @@ def load_model(
         raise ModelLoadError(
             f"Layers {layer_range} of {source.model_id} do not run: {exc}"
         ) from exc
+    model = LoadedModel(
+        source.model_id, source, config, layer_range, label, dtype, hidden, backend, stage, codec
+    )
     log.info(
         "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s; "
         "int4/int8 kernels: %s) in %.2f s",
@@ -154,12 +157,10 @@ def load_model(
         weights_label(stage.weight_formats),
         dtype,
         "swarmd engine" if backend == ENGINE else "transformers modules",
-        getattr(stage, "quantized_kernels", "none"),
+        model.kernels,
         time.monotonic() - started,
     )
-    return LoadedModel(
-        source.model_id, source, config, layer_range, label, dtype, hidden, backend, stage, codec
-    )
+    return model
 
 
 def _files(source: ModelSource, layers: LayerRange) -> list[Path]:

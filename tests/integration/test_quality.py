@@ -53,17 +53,11 @@ def reference_greedy(reference: Any, prompts: list[str], smollm_fp32_dir: Path) 
     return replies
 
 
-def perplexity_reference(model: Any, ids: list[int]) -> float:
+@pytest.fixture(scope="module")
+def reference_logits(reference: Any, text_ids: list[int]) -> torch.Tensor:
+    """[len(text), V] the float32 reference's next-token logits over the text (once)."""
     with torch.inference_mode():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
-    return math.exp(float(nll))
-
-
-def reference_top(model: Any, ids: list[int]) -> torch.Tensor:
-    """The float32 reference's most likely next token at each position of `ids`."""
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits[0].argmax(-1)
+        return reference(torch.tensor([text_ids])).logits[0].float()
 
 
 def all_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
@@ -96,7 +90,7 @@ def test_quantized_formats_keep_the_float32_quality(
     weights: str,
     smollm_dir: Path,
     text_ids: list[int],
-    reference: Any,
+    reference_logits: torch.Tensor,
     prompts: list[str],
     reference_greedy: list[list[int]],
 ) -> None:
@@ -111,10 +105,10 @@ def test_quantized_formats_keep_the_float32_quality(
     model = load_model(ModelSource("smollm", smollm_dir), None, weights)
     assert model.backend == "engine" and model.weights == weights
     assert model.dtype_name == "bfloat16"
-    base = perplexity_reference(reference, text_ids)
+    base = perplexity(reference_logits, text_ids)
     logits = all_logits(model, text_ids)
     ppl = perplexity(logits, text_ids)
-    top1 = float((logits.argmax(-1) == reference_top(reference, text_ids)).float().mean())
+    top1 = float((logits.argmax(-1) == reference_logits.argmax(-1)).float().mean())
     agree = sum(
         greedy(model, prompt, GREEDY_TOKENS) == ref[:GREEDY_TOKENS]
         for prompt, ref in zip(prompts, reference_greedy, strict=True)
