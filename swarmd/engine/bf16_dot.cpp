@@ -85,31 +85,27 @@ void block(const uint8_t* packed, const float* scale, const float* zero, const u
     }
 }
 
-// Every (block of 16 output columns, block of rows) of an [M, N] product, the column
-// blocks split among torch's threads: run(rows, nb, m0) with `rows` a
-// std::integral_constant of 8, 4, 2 or 1 (the rows from m0 that one call computes).
+// run(rows, nb, m0) with `rows` = std::integral_constant<int, R>: one call per R, so the
+// row count is a compile-time constant (the accumulators stay in registers).
+template <int R, typename Run>
+inline void rows_from(int64_t left, const Run& run, int64_t nb, int64_t m0) {
+    if constexpr (R > 1) {
+        if (left < R) return rows_from<R - 1>(left, run, nb, m0);
+    }
+    run(std::integral_constant<int, R>{}, nb, m0);
+}
+
+// Every (block of 16 output columns, block of up to 8 rows) of an [M, N] product, the
+// column blocks split among torch's threads. Any 1-8 rows are one pass over a block's
+// weights: 7 rows as 4 + 2 + 1 would unpack every weight three times (a step of 7 sessions
+// then cost half as much again as one of 8).
 template <typename Run>
 void each_block(int64_t M, int64_t K, int64_t N, const Run& run) {
     // a task: at least ~64k multiply-adds, so small matrices do not pay for a thread
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * kCols * M));
     at::parallel_for(0, N / kCols, grain, [&](int64_t begin, int64_t end) {
         for (int64_t nb = begin; nb < end; ++nb) {
-            for (int64_t m0 = 0; m0 < M;) {
-                const int64_t left = M - m0;
-                if (left >= 8) {
-                    run(std::integral_constant<int, 8>{}, nb, m0);
-                    m0 += 8;
-                } else if (left >= 4) {
-                    run(std::integral_constant<int, 4>{}, nb, m0);
-                    m0 += 4;
-                } else if (left >= 2) {
-                    run(std::integral_constant<int, 2>{}, nb, m0);
-                    m0 += 2;
-                } else {
-                    run(std::integral_constant<int, 1>{}, nb, m0);
-                    m0 += 1;
-                }
-            }
+            for (int64_t m0 = 0; m0 < M; m0 += 8) rows_from<8>(M - m0, run, nb, m0);
         }
     });
 }
