@@ -24,4 +24,4 @@ errors, dtypes, config, untrusted < model, engine < net < dht < pipeline, transf
 < acquire, api, client < node < cli.
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"

@@ -113,6 +113,7 @@ async def health(request: web.Request) -> web.Response:
                 "dtype": h.model.dtype_name,
                 "backend": h.model.backend,
                 "kernels": h.model.kernels,  # whose int4/int8 kernels: swarmd, torch, none
+                "attention": h.model.attention,  # whose attention: swarmd, torch
                 "sessions": h.runtime.session_count,
                 "kv_budget_tokens": h.kv_budget.total,
                 "kv_reserved_tokens": h.kv_budget.reserved,

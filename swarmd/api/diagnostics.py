@@ -181,7 +181,7 @@ def _section_node(node: Node) -> str:
         lines.append(
             f"model         {model.model_id} layers {model.layers} of {model.num_layers} "
             f"({model.weights} weights, {model.dtype_name} kernels, {model.backend}; "
-            f"int4/int8 kernels: {model.kernels})"
+            f"int4/int8 kernels: {model.kernels}; attention: {model.attention})"
         )
     if not node.held:
         lines.append("model         none held (--no-model): this node coordinates only")

@@ -1,4 +1,8 @@
-"""Attention that gives a position the same bits however its tokens were grouped.
+"""Attention that gives a position the same bits however its tokens were grouped, on
+torch's ops: what a stage runs where swarmd's own attention kernel (`attend.cpp`, through
+`native.attend`) does not load (a CPU without AVX-512 BF16, no g++, `native_kernels =
+false`). That kernel computes each query alone in one fixed order, so it needs none of
+the shapes below; a stage takes one or the other for all its forwards.
 
 A position's attention output must not depend on how the sequence reached the stage: a
 prompt prefilled in one chunk or in several, a reply decoded one token at a time, a

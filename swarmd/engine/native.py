@@ -1,4 +1,5 @@
-"""swarmd's own CPU kernels: `bf16_dot.cpp`, built with g++ against the installed torch.
+"""swarmd's own CPU kernels: `bf16_dot.cpp` (int4 and int8 matmuls) and `attend.cpp`
+(attention over the KV caches), built with g++ against the installed torch into one library.
 
 Why hand-written kernels: torch's int4 and int8 CPU kernels turn each weight into float32
 and do one float32 FMA per multiply-add, so from 4 rows on they run at the FMA units'
@@ -15,6 +16,9 @@ kernels only).
   g++, a failed build, or switched off (`configure(False)`, the `native_kernels` setting).
   The answer is settled once per process: every matrix of a process uses one kind.
 - `block_int4` / `block_int8`: the weight layouts the ops read.
+- `attend`: a query's attention computed alone in one fixed order (attend.cpp's header), so
+  its bits never depend on the batch, the chunk or the threads; `attend_fits` says where a
+  stage takes it.
 
 Their results differ from torch's kernels in the last bits (float32 scales, another order
 of adds); each node's replies are exact under batching either way (README "Speed").
@@ -40,19 +44,24 @@ from swarmd.model import quant
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("bf16_dot.cpp")
+SOURCES = (Path(__file__).with_name("bf16_dot.cpp"), Path(__file__).with_name("attend.cpp"))
 CPU_FLAG = "avx512_bf16"  # as /proc/cpuinfo spells it
 COLUMNS = 16  # output columns per block of the packed weights (bf16_dot.cpp's kCols)
-SCHEMAS = (  # as bf16_dot.cpp defines them
+SCHEMAS = (  # as bf16_dot.cpp and attend.cpp define them
     "int4_bf16_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor",
     "int8_bf16_mm(Tensor x, Tensor packed, Tensor scale) -> Tensor",
+    "attend(Tensor q, Tensor new_kv, Tensor[] caches, int layer, int[] which, int[] lo, "
+    "int[] hi, float scale) -> Tensor",
 )
+ATTEND_LANES, ATTEND_MAX_HEAD_DIM = 16, 256  # attend.cpp's head dims: multiples, up to
 
 
 @dataclass(frozen=True)
 class Ops:
     int4: Callable[..., torch.Tensor]  # (x, packed, scale, zero) -> bfloat16 [M, N]
     int8: Callable[..., torch.Tensor]  # (x, packed, scale) -> bfloat16 [M, N]
+    # (q, new_kv, caches, layer, which, lo, hi, scale) -> float32 [rows, heads, D]
+    attend: Callable[..., torch.Tensor]
 
 
 # Not -march=native: some VMs advertise AMX and trap on it (shared/notes/engine.md).
@@ -132,10 +141,37 @@ def int8_rows(blocked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return blocked[ids // COLUMNS, :, ids % COLUMNS, :].reshape(*ids.shape, k)
 
 
+def attend_fits(head_dim: int) -> bool:
+    """Whether attention of this head size runs on `attend` (the ops loaded)."""
+    fits = head_dim % ATTEND_LANES == 0 and 0 < head_dim <= ATTEND_MAX_HEAD_DIM
+    return fits and ops() is not None
+
+
+def attend(
+    q: torch.Tensor,
+    new_kv: torch.Tensor,
+    caches: list[torch.Tensor],
+    layer: int,
+    which: list[int],
+    lo: list[int],
+    hi: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of q [R, heads, D] (float32), row r over positions [lo[r], hi[r]) of
+    layer `layer` of `caches[which[r]]` (KV slots [layers, 2, 1, kv, capacity, D]), after
+    writing new_kv [2, R, kv, D] at each row's hi - 1 (empty: written already):
+    [R, heads, D]. Only once `ops()` loaded (attend.cpp)."""
+    return torch.ops.swarmd.attend(q, new_kv, caches, layer, which, lo, hi, scale)
+
+
 def library_path(folder: Path) -> Path:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_ARCH_FLAGS).encode()):
+    for part in (
+        *(source.read_bytes() for source in SOURCES),
+        torch.__version__.encode(),
+        " ".join(_ARCH_FLAGS).encode(),
+    ):
         key.update(part)
     key.update(str(torch_dir).encode())
     return folder / f"bf16_dot-{key.hexdigest()[:16]}.so"
@@ -163,7 +199,7 @@ def build(folder: Path) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-I", str(torch_dir / "include"),
         "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
-        str(SOURCE), "-o", str(partial),
+        *(str(source) for source in SOURCES), "-o", str(partial),
         "-L", str(lib), "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}",
         str(lib / "libgomp.so.1"),
     ]  # fmt: skip
@@ -185,7 +221,8 @@ def _load() -> Ops | None:
             log.info("building swarmd's kernels once into %s", path.parent)
             path = build(path.parent)
         torch.ops.load_library(str(path))
-        loaded = Ops(torch.ops.swarmd.int4_bf16_mm, torch.ops.swarmd.int8_bf16_mm)
+        swarmd = torch.ops.swarmd
+        loaded = Ops(swarmd.int4_bf16_mm, swarmd.int8_bf16_mm, swarmd.attend)
     except subprocess.CalledProcessError as exc:
         log.warning(
             "int4 and int8 kernels: torch's (the build failed: %s)", exc.stderr.strip()[-500:]

@@ -140,6 +140,8 @@ def _decode_layers(
     offsets: list[torch.Tensor],  # per group: each of those rows' slot less the lowest
     writes: list[torch.Tensor],  # per group: where its rows' keys, then values, go in a layer
     masks: list[torch.Tensor],  # per group: [slots, 1, width], True past each row's position
+    native_attend: bool,  # attention on attend.cpp (every row; `pooled` and groups unused)
+    which: list[int],  # 0 .. B - 1: each row's own cache, for attend
     mm: torch.dtype,  # the matrices' activation dtype
     act: torch.dtype,  # the residual stream's
     heads: int,
@@ -159,7 +161,9 @@ def _decode_layers(
     keys_of: list[list[torch.Tensor]] = []
     keys_t_of: list[list[torch.Tensor]] = []
     values_of: list[list[torch.Tensor]] = []
-    if not all(pooled):
+    his = [start + 1 for start in starts]
+    los = [[row[kind] for row in firsts] for kind in range(len(cos))]
+    if not native_attend and not all(pooled):
         for r in range(batch):
             buffer = caches[r].select(2, 0)  # [layers, 2, kv, cap, D]
             keys_all = buffer.select(1, 0)
@@ -188,53 +192,59 @@ def _decode_layers(
             q = _rotate(q, cos[kind], sin[kind])
             k = _rotate(k, cos[kind], sin[kind])
         v = qkv[:, q_size + kv_size :].reshape(batch, 1, kv_heads, head_dim)
-        # `one_query` of each row: the same matrices row for row, so the same bits.
-        scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
-        if group < 4:  # attention.MIN_ROWS
-            scaled = F.pad(scaled, [0, 0, 0, 4 - group])
-        if pooled[kind]:
-            # The rows of a page that read the same span are one matmul over the page's
-            # slots from the lowest to the highest of them (a slot between them that is
-            # not in this step, or reads another span, computes what nobody reads).
-            # The rows come grouped (`_Pages.order`): a group is rows [first, first + n).
+        if native_attend:  # each row over its own cache, its key and value written first
             fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
-            outs4: list[torch.Tensor] = []
-            for g in range(len(pages)):
-                first = spans[g][3]
-                n = spans[g][4]
-                q_g = scaled.narrow(0, first, n)
-                if spans[g][1] != n:  # slots between its rows: zeros stand in for them
-                    q_g = torch.zeros(spans[g][1], kv_heads, 4, head_dim, dtype=scaled.dtype)
-                    q_g.index_copy_(0, offsets[g], scaled.narrow(0, first, n))
-                got = _attend_group(
-                    pages[g][i], spans[g], fresh.narrow(1, first, n), q_g, writes[g], masks[g]
-                )
-                outs4.append(got if spans[g][1] == n else got.index_select(0, offsets[g]))
-            attn4 = outs4[0] if len(outs4) == 1 else torch.cat(outs4)
-            attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
+            q_rows = q.reshape(batch, heads, head_dim)
+            got = torch.ops.swarmd.attend(q_rows, fresh, caches, i, which, los[kind], his, scale)
+            attn = got.view(batch, heads * head_dim)
         else:
-            scaled_rows = scaled.unbind(0)
-            k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
-            v_rows = v.transpose(1, 2).unbind(0)
-            outs: list[torch.Tensor] = []
-            for r in range(batch):
-                start = starts[r]
-                lo = firsts[r][kind]
-                keys = keys_of[r][i]
-                values = values_of[r][i]
-                keys.narrow(1, start, 1).copy_(k_rows[r])
-                values.narrow(1, start, 1).copy_(v_rows[r])
-                first = lo // 64 * 64  # attention.span
-                width = (start + 1 - first + 63) // 64 * 64
-                got = attend_rows(
-                    scaled_rows[r],
-                    keys_t_of[r][i].narrow(2, first, width),
-                    values.narrow(1, first, width),
-                    lo - first,
-                    start + 1 - first,
-                )
-                outs.append(got.narrow(1, 0, group))
-            attn = torch.stack(outs).view(batch, heads * head_dim)
+            # `one_query` of each row: the same matrices row for row, so the same bits.
+            scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
+            if group < 4:  # attention.MIN_ROWS
+                scaled = F.pad(scaled, [0, 0, 0, 4 - group])
+            if pooled[kind]:
+                # The rows of a page that read the same span are one matmul over the page's
+                # slots from the lowest to the highest of them (a slot between them that is
+                # not in this step, or reads another span, computes what nobody reads).
+                # The rows come grouped (`_Pages.order`): a group is rows [first, first + n).
+                fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
+                outs4: list[torch.Tensor] = []
+                for g in range(len(pages)):
+                    first = spans[g][3]
+                    n = spans[g][4]
+                    q_g = scaled.narrow(0, first, n)
+                    if spans[g][1] != n:  # slots between its rows: zeros stand in for them
+                        q_g = torch.zeros(spans[g][1], kv_heads, 4, head_dim, dtype=scaled.dtype)
+                        q_g.index_copy_(0, offsets[g], scaled.narrow(0, first, n))
+                    got = _attend_group(
+                        pages[g][i], spans[g], fresh.narrow(1, first, n), q_g, writes[g], masks[g]
+                    )
+                    outs4.append(got if spans[g][1] == n else got.index_select(0, offsets[g]))
+                attn4 = outs4[0] if len(outs4) == 1 else torch.cat(outs4)
+                attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
+            else:
+                scaled_rows = scaled.unbind(0)
+                k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
+                v_rows = v.transpose(1, 2).unbind(0)
+                outs: list[torch.Tensor] = []
+                for r in range(batch):
+                    start = starts[r]
+                    lo = firsts[r][kind]
+                    keys = keys_of[r][i]
+                    values = values_of[r][i]
+                    keys.narrow(1, start, 1).copy_(k_rows[r])
+                    values.narrow(1, start, 1).copy_(v_rows[r])
+                    first = lo // 64 * 64  # attention.span
+                    width = (start + 1 - first + 63) // 64 * 64
+                    got = attend_rows(
+                        scaled_rows[r],
+                        keys_t_of[r][i].narrow(2, first, width),
+                        values.narrow(1, first, width),
+                        lo - first,
+                        start + 1 - first,
+                    )
+                    outs.append(got.narrow(1, 0, group))
+                attn = torch.stack(outs).view(batch, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:
             out = F.rms_norm(out.to(act), [hidden], norm[4], eps)
@@ -306,8 +316,10 @@ class DecodeLoop:
         shape: tuple[int, int, int, float, float, bool],
         mm: torch.dtype,
         act: torch.dtype,
+        native_attend: bool = False,
     ) -> None:
         self._fn = fn
+        self._native_attend = native_attend
         self._norms = norms
         self._mats = mats
         self._counts = counts
@@ -323,8 +335,10 @@ class DecodeLoop:
         spec: ArchSpec,
         mm: torch.dtype,
         act: torch.dtype,
+        native_attend: bool = False,
     ) -> DecodeLoop | None:
-        """The loop for these layers; None where a layer holds what it does not run."""
+        """The loop for these layers; None where a layer holds what it does not run.
+        `native_attend`: attention on attend.cpp (as the stage's other forwards)."""
         fn = _script()
         if fn is None:
             return None
@@ -341,7 +355,7 @@ class DecodeLoop:
             counts.append([len(qkv), len(gate_up), kinds.index(block.kind), gate_size])
         gelu = spec.activation != "silu"
         shape = (spec.heads, spec.kv_heads, spec.head_dim, spec.eps, spec.attn_scale, gelu)
-        return cls(fn, norms, mats, counts, shape, mm, act)
+        return cls(fn, norms, mats, counts, shape, mm, act, native_attend)
 
     def __call__(
         self,
@@ -355,7 +369,10 @@ class DecodeLoop:
         kv_heads = self._shape[1]
         # One row alone takes the row-by-row ops: fewer of them (the same bits).
         several = len(caches) > 1
-        pooled = [several and all(row[kind] == 0 for row in firsts) for kind in range(len(cos))]
+        pooled = [
+            several and not self._native_attend and all(row[kind] == 0 for row in firsts)
+            for kind in range(len(cos))
+        ]
         pages = _Pages(caches, starts, kv_heads) if any(pooled) else _Pages([], [], kv_heads)
         order = pages.order
         index = None
@@ -399,6 +416,8 @@ class DecodeLoop:
                 pages.offsets,
                 pages.writes,
                 pages.masks,
+                self._native_attend,
+                list(range(len(caches))),
                 self._mm,
                 self._act,
                 heads,

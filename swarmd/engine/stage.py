@@ -36,6 +36,7 @@ from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
 
 ACT = torch.float32  # the residual stream, norms, attention and the KV cache
+_EMPTY = torch.empty(0)  # attend's new keys when the cache holds them already
 
 
 @dataclass
@@ -109,6 +110,10 @@ class LeanStage:
         self._kinds = list(ropes)
         self._decode_loop: DecodeLoop | None = None
         self._decode_loop_built = False
+        # Attention on swarmd's kernel (attend.cpp) where it loaded, for prompt chunks and
+        # decode steps alike (a position's bits must not depend on which path computed it),
+        # else torch's ops (attention.py).
+        self.native_attention = native.attend_fits(spec.head_dim)
         # Every cache of this stage: sessions of one capacity share a page (kv.py).
         self._kv_pool = KVPool(len(blocks), spec.kv_heads, spec.head_dim, ACT)
 
@@ -164,6 +169,7 @@ class LeanStage:
             self.ropes,
         )
         view.scripted_decode = self.scripted_decode
+        view.native_attention = self.native_attention
         return view
 
     @torch.inference_mode()
@@ -251,7 +257,7 @@ class LeanStage:
         if not self._decode_loop_built:
             self._decode_loop_built = True
             self._decode_loop = DecodeLoop.build(
-                self.blocks, self._kinds, self.spec, self.dtype, ACT
+                self.blocks, self._kinds, self.spec, self.dtype, ACT, self.native_attention
             )
         return self._decode_loop
 
@@ -375,6 +381,17 @@ class LeanStage:
         cos, sin = rope[block.kind]
         rows = slice(0, batch)
         q, k, v = self._rotated_qkv(block, rows, batch, 1, cos, sin, fused, q_all, k_all, v_all)
+        if self.native_attention:
+            return native.attend(
+                q[:, :, 0],
+                torch.stack([k[:, :, 0], v[:, :, 0]]),
+                [p.cache.buffer for p in parts],
+                index,
+                list(range(batch)),
+                [p.step.window_of(block.kind, p.start)[0] for p in parts],
+                [p.start + 1 for p in parts],
+                spec.attn_scale,
+            ).view(batch, heads * head_dim)
         outs = []
         for i, part in enumerate(parts):
             keys, values = part.cache.write_and_read(index, k[i], v[i], part.start)
@@ -400,6 +417,19 @@ class LeanStage:
         rows = slice(lo, lo + count)
         q, k, v = self._rotated_qkv(block, rows, 1, count, cos, sin, fused, q_all, k_all, v_all)
         keys, values = part.cache.write_and_read(index, k[0], v[0], step.start)
+        if self.native_attention:
+            lo, hi = step.bounds(block.kind)
+            attn = native.attend(
+                q[0].transpose(0, 1),
+                _EMPTY,
+                [part.cache.buffer],
+                index,
+                [0] * count,
+                lo,
+                hi,
+                spec.attn_scale,
+            )
+            return attn.reshape(count, heads * head_dim)
         if count == 1:
             seen = step.window_of(block.kind, step.start)
             return one_query(q[0, :, 0], keys, values, *seen, spec.attn_scale).view(1, -1)
@@ -438,6 +468,15 @@ class _Step:
         self._window = spec.sliding_window
         self._group = spec.heads // spec.kv_heads
         self._plans: dict[str, list[QueryGroup]] = {}
+        self._bounds: dict[str, tuple[list[int], list[int]]] = {}
+
+    def bounds(self, kind: str) -> tuple[list[int], list[int]]:
+        """Each position's window on layers of `kind`: ([lo per position], [hi ...])."""
+        got = self._bounds.get(kind)
+        if got is None:
+            windows = [self.window_of(kind, self.start + t) for t in range(self.count)]
+            got = self._bounds[kind] = ([w[0] for w in windows], [w[1] for w in windows])
+        return got
 
     def plan(self, kind: str) -> list[QueryGroup]:
         """How the chunk attends on layers of `kind` (`attention.plan_chunk`), built once

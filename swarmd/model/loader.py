@@ -70,6 +70,11 @@ class LoadedModel:
         return kinds if isinstance(kinds, str) else "none"
 
     @property
+    def attention(self) -> str:
+        """Whose attention its layers run: "swarmd" (attend.cpp) or "torch"."""
+        return "swarmd" if getattr(self.stage, "native_attention", False) is True else "torch"
+
+    @property
     def variant(self) -> Variant:
         return Variant(self.source.content_id, self.weights, self.dtype_name)
 
@@ -149,7 +154,7 @@ def load_model(
     )
     log.info(
         "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s; "
-        "int4/int8 kernels: %s) in %.2f s",
+        "int4/int8 kernels: %s; attention: %s) in %.2f s",
         source.model_id,
         layer_range,
         num_layers,
@@ -158,6 +163,7 @@ def load_model(
         dtype,
         "swarmd engine" if backend == ENGINE else "transformers modules",
         model.kernels,
+        model.attention,
         time.monotonic() - started,
     )
     return model

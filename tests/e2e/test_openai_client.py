@@ -360,6 +360,7 @@ def test_models_and_health(client: openai.OpenAI, embedded_node: NodeProcess) ->
     # swarmd's int4/int8 kernels where this CPU and machine run them, else torch's
     runnable = native.cpu_has_bf16_dot() and shutil.which("g++") is not None
     assert held["kernels"] == ("swarmd" if runnable else "torch")
+    assert held["attention"] == ("swarmd" if runnable else "torch")
     # Per model, and in all: one model held, so the two agree.
     assert held["kv_budget_tokens"] == health["kv_budget_tokens"] > 0
     assert held["sessions"] == health["sessions"]

@@ -663,3 +663,7 @@ def test_a_stage_says_whose_kernels_its_quantized_matrices_run(tmp_path: Path) -
     assert lean(path, weights="int8").quantized_kernels == ours
     assert lean(path, weights="int4-torch").quantized_kernels == "torch"
     assert lean(path, weights="bf16").quantized_kernels == "none"
+    # attention (attend.cpp) follows the same switch, for every format
+    assert lean(path, weights="bf16").native_attention == (ours == "swarmd")
+    assert lean(path).native_attention == (ours == "swarmd")
+    assert not lean(path, weights="int4-torch").native_attention

@@ -1,6 +1,7 @@
 """swarmd's int4 and int8 kernels (engine/native.py, bf16_dot.cpp) and torch's, as `linear`
 holds them: each within a bfloat16 rounding of a float32 reference, each row the same alone
-and in any batch, and swarmd's taken exactly where they can run."""
+and in any batch, and swarmd's taken exactly where they can run. And swarmd's attention
+(attend.cpp): float32 accuracy, and a query's bits whatever runs with it."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_a_bias_is_added_and_an_empty_batch_gives_no_rows(fmt: str, kernel: str)
 
 def test_the_ops_refuse_what_they_cannot_compute() -> None:
     """Shapes the blocking never makes are refused with torch's error, never read past."""
-    unloaded = native.Ops(torch.mm, torch.mm)
+    unloaded = native.Ops(torch.mm, torch.mm, torch.mm)
     with pytest.raises(ModelLoadError, match="N % 16"):
         Int4Dot(weights("int4", 24, 64), None, unloaded)  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="N % 16"):
@@ -152,7 +153,7 @@ def test_switched_off_torchs_kernel_serves_and_decode_steps_still_script() -> No
         "w = torch.randn(32, 64)\n"
         "assert type(make_matrix(quant.quantize_int4(w), None, torch.bfloat16)) is Int4\n"
         "assert type(make_matrix(quant.quantize_int8(w), None, torch.bfloat16)) is Int8\n"
-        "assert native.ops() is None\n"
+        "assert native.ops() is None and not native.attend_fits(64)\n"
         "assert scripted._script() is not None\n"
         "print('ok')\n"
     )
@@ -161,3 +162,106 @@ def test_switched_off_torchs_kernel_serves_and_decode_steps_still_script() -> No
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+# --- attention ---------------------------------------------------------------------------
+
+needs_ops = pytest.mark.skipif(OPS is None, reason="swarmd's kernels do not run on this CPU")
+
+
+def slots(count: int, kv: int, capacity: int, dim: int, seed: int) -> list[torch.Tensor]:
+    """KV slots as kv.py holds them: views [layers=2, 2, 1, kv, capacity, D] of a page."""
+    page = torch.randn(
+        2, 2, count + 1, kv, capacity, dim, generator=torch.Generator().manual_seed(seed)
+    )
+    return [page[:, :, i + 1 : i + 2] for i in range(count)]  # not the page's first slot
+
+
+def reference(q: torch.Tensor, cache: torch.Tensor, layer: int, lo: int, hi: int, scale: float):
+    """float64 softmax attention of one row q [heads, D] over positions [lo, hi)."""
+    keys, values = (cache[layer, i, 0, :, lo:hi].double() for i in (0, 1))  # [kv, n, D]
+    heads, dim = q.shape
+    grouped = q.double().view(keys.shape[0], heads // keys.shape[0], dim) * scale
+    weights = torch.softmax(grouped @ keys.transpose(1, 2), dim=-1)
+    return (weights @ values).view(heads, dim)
+
+
+@needs_ops
+@pytest.mark.parametrize(
+    ("heads", "kv", "dim"),
+    [(9, 3, 64), (4, 1, 256), (14, 2, 32), (8, 8, 128), (4, 2, 16), (6, 2, 48)],
+)
+def test_attention_is_float32_softmax_attention(heads: int, kv: int, dim: int) -> None:
+    caches = slots(5, kv, 320, dim, seed=heads)
+    windows = [(0, 1), (0, 17), (3, 300), (64, 320), (250, 251)]  # [lo, hi) a row
+    q = torch.randn(len(windows), heads, dim, generator=torch.Generator().manual_seed(1))
+    lo, hi = [w[0] for w in windows], [w[1] for w in windows]
+    got = native.attend(q, torch.empty(0), caches, 1, list(range(5)), lo, hi, dim**-0.5)
+    for r, (a, b) in enumerate(windows):
+        ref = reference(q[r], caches[r], 1, a, b, dim**-0.5)
+        assert float((got[r].double() - ref).abs().max()) < 1e-5 * float(ref.abs().max() + 1)
+
+
+@needs_ops
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_querys_attention_has_its_bits_in_any_batch_and_any_chunk(threads: int) -> None:
+    """What exactness rests on: a row attended alone, with other sessions' rows, or as one
+    position of a chunk of its own sequence, gets the same bits (on 1 and 2 threads)."""
+    caches = slots(6, 3, 256, 64, seed=7)
+    q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(2))
+    his = [1, 40, 64, 65, 200, 256]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = native.attend(q, torch.empty(0), caches, 0, list(range(6)), [0] * 6, his, 0.125)
+        for r in range(6):
+            alone = native.attend(
+                q[r : r + 1], torch.empty(0), caches, 0, [r], [0], [his[r]], 0.125
+            )
+            assert torch.equal(alone[0], batched[r])
+        # the six rows as positions of one sequence's chunk (one cache, growing windows)
+        chunk = native.attend(q, torch.empty(0), [caches[5]], 0, [0] * 6, [0] * 6, his, 0.125)
+        for r in range(6):
+            alone = native.attend(
+                q[r : r + 1], torch.empty(0), [caches[5]], 0, [0], [0], [his[r]], 0.125
+            )
+            assert torch.equal(alone[0], chunk[r])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_ops
+def test_a_decode_row_writes_its_key_and_value_before_it_reads() -> None:
+    caches = slots(3, 3, 128, 64, seed=3)
+    copies = [c.clone() for c in caches]
+    q = torch.randn(3, 9, 64)
+    fresh = torch.randn(2, 3, 3, 64)
+    his = [5, 64, 100]
+    got = native.attend(q, fresh, caches, 1, [0, 1, 2], [0, 0, 0], his, 0.125)
+    for r, hi in enumerate(his):
+        copies[r][1, 0, 0, :, hi - 1] = fresh[0, r]
+        copies[r][1, 1, 0, :, hi - 1] = fresh[1, r]
+        assert torch.equal(caches[r], copies[r])  # that position, nothing else
+        expect = native.attend(q[r : r + 1], torch.empty(0), [copies[r]], 1, [0], [0], [hi], 0.125)
+        assert torch.equal(got[r], expect[0])
+
+
+@needs_ops
+def test_attention_refuses_what_it_cannot_compute() -> None:
+    caches = slots(2, 3, 64, 64, seed=4)
+    q = torch.randn(2, 9, 64)
+    none = torch.empty(0)
+    cases = [
+        ((q.double(), none, caches, 0, [0, 1], [0, 0], [1, 1]), "float32"),
+        ((q, none, caches, 0, [0, 1], [1, 0], [1, 1]), "lo < hi"),
+        ((q, none, caches, 0, [0, 1], [0, 0], [1, 65]), "capacity"),
+        ((q, none, caches, 2, [0, 1], [0, 0], [1, 1]), "layer"),
+        ((q, none, caches, 0, [0, 2], [0, 0], [1, 1]), "which"),
+        ((q, none, caches, 0, [0], [0], [1]), "one per row"),
+        ((q, torch.randn(2, 2, 3, 64), caches, 0, [0, 0], [0, 0], [1, 2]), "of their own"),
+        ((torch.randn(2, 9, 40), none, caches, 0, [0, 1], [0, 0], [1, 1]), "head dim"),
+        ((torch.randn(2, 8, 64), none, caches, 0, [0, 1], [0, 0], [1, 1]), "multiple"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            native.attend(*args, 0.125)
