@@ -9,8 +9,11 @@ Phases (each a server in its own process group, started and stopped here):
 3. llama.cpp: llama-cpp-python's OpenAI server on the same GGUF with T threads, when the
    optional `bench` extra is installed (`make bench-deps`). It serves one request at a
    time (queued, not interrupted: `--interrupt_requests False`), so its total stays about
-   its one-stream rate; llama.cpp's C++ `llama-server -np N` batches, but is not what the
-   `bench` extra installs.
+   its one-stream rate;
+4. llama-server: llama.cpp's own C++ server, which batches sessions (`-np 16`, continuous
+   batching), with T threads on the same GGUF, when built (`bench/build_llama_server.sh`
+   builds it from the llama.cpp that the `bench` extra's sdist carries, into
+   `.venv/bin/llama-server`; or `--llama-server PATH`).
 
 At each level N, N streamed greedy chat completions start together (different prompts,
 `--max-tokens` tokens each). Per level: total tok/s (every content chunk of every stream
@@ -20,13 +23,15 @@ decode tok/s ((chunks - 1) / first-to-last chunk), the median TTFT, and errors. 
     RESULT scaling8_one=<r> scaling8_two=<r> agg8_over_llamacpp=<r>
 
 scaling8: total tok/s at 8 streams over the total at 1 (the target is >= 3); agg8: the
-one-node total at 8 streams over llama.cpp's at 8. Nothing else should run meanwhile.
+one-node total at 8 streams over llama.cpp's at 8 (llama-server's where it ran, else
+llama-cpp-python's). Nothing else should run meanwhile.
 
 Each level runs `--repeat` times (3) with the same prompts; the run with the median
 total stands for the level (this machine's speed moves by a third from minute to minute).
 
 Usage: .venv/bin/python bench/concurrency.py [--cache-dir DIR] [--threads 2]
-       [--levels 1,2,4,8,16] [--max-tokens 64] [--repeat 3] [--phases one,two,llama.cpp]
+       [--levels 1,2,4,8,16] [--max-tokens 64] [--repeat 3]
+       [--phases one,two,llama.cpp,llama-server] [--llama-server PATH]
 """
 
 from __future__ import annotations
@@ -87,7 +92,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per level; the median total is reported"
     )
-    parser.add_argument("--phases", default="one,two,llama.cpp", help="which to run")
+    parser.add_argument("--phases", default="one,two,llama.cpp,llama-server", help="which to run")
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=REPO / ".venv" / "bin" / "llama-server",
+        help="llama.cpp's server binary (bench/build_llama_server.sh)",
+    )
     return parser.parse_args()
 
 
@@ -285,17 +296,7 @@ def llamacpp_phase(args: argparse.Namespace, workdir: Path) -> Phase:
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
     phase = Phase("llama.cpp", f"llama-cpp-python {llama_cpp.__version__} server, same GGUF")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                conn.request("GET", "/v1/models")
-                model = json.loads(conn.getresponse().read())["data"][0]["id"]
-                break
-            except OSError:
-                time.sleep(0.3)
-        else:
-            raise TimeoutError("llama.cpp's server did not start")
+        model = wait_for_openai_server(port, "llama.cpp's server")
         measure(phase, port, model, args)
     finally:
         stop_group(proc)
@@ -303,25 +304,70 @@ def llamacpp_phase(args: argparse.Namespace, workdir: Path) -> Phase:
     return phase
 
 
+def llama_server_phase(args: argparse.Namespace, workdir: Path) -> Phase:
+    binary = args.llama_server
+    if not binary.exists():
+        return Phase("llama-server", f"no {binary} (bench/build_llama_server.sh builds it)")
+    from swarmd.model.source import embedded_gguf_path
+
+    port = free_port()
+    slots = max(int(n) for n in args.levels.split(","))
+    cmd = [str(binary), "--model", str(embedded_gguf_path()), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "-t", str(args.threads), "-tb", str(args.threads)]
+    # A slot per stream, each with room for a prompt and its reply.
+    cmd += ["-np", str(slots), "-c", str(slots * 1024), "--no-webui"]
+    log = (workdir / "llama-server.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+    phase = Phase("llama-server", f"llama.cpp's llama-server -np {slots}, same GGUF")
+    try:
+        model = wait_for_openai_server(port, "llama-server")
+        measure(phase, port, model, args)
+    finally:
+        stop_group(proc)
+        log.close()
+    return phase
+
+
+def wait_for_openai_server(port: int, name: str) -> str:
+    """The model id an OpenAI server on `port` serves, once it answers (2 minutes)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            response = conn.getresponse()
+            if response.status == 200:
+                return str(json.loads(response.read())["data"][0]["id"])
+        except (OSError, ValueError, KeyError, IndexError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{name} did not start")
+
+
 def main() -> None:
     args = parse_args()
     sys.path.insert(0, str(REPO))
     workdir = Path(tempfile.mkdtemp(prefix="swarmd-bench-concurrency-"))
-    runs = {"one": one_node_phase, "two": two_stage_phase, "llama.cpp": llamacpp_phase}
+    runs = {
+        "one": one_node_phase,
+        "two": two_stage_phase,
+        "llama.cpp": llamacpp_phase,
+        "llama-server": llama_server_phase,
+    }
     wanted = args.phases.split(",")
     phases = [
         runs[name](args, workdir) if name in wanted else Phase(name, "not run") for name in runs
     ]
     print(f"\n{args.max_tokens}-token greedy streams, {args.threads} threads in all")
     print(
-        f"{'phase':<10} {'streams':>7} {'total tok/s':>11} {'per stream':>10} {'TTFT ms':>8} errors"
+        f"{'phase':<12} {'streams':>7} {'total tok/s':>11} {'per stream':>10} {'TTFT ms':>8} errors"
     )
     for p in phases:
         if not p.levels:
-            print(f"{p.name:<10} {p.note}")
+            print(f"{p.name:<12} {p.note}")
         for lv in p.levels:
             print(
-                f"{p.name:<10} {lv.streams:>7} {lv.total_tok_s:>11.1f} "
+                f"{p.name:<12} {lv.streams:>7} {lv.total_tok_s:>11.1f} "
                 f"{lv.per_stream_tok_s:>10.1f} {lv.ttft_ms:>8.0f} {lv.errors:>6}"
             )
     by = {p.name: p for p in phases}
@@ -329,11 +375,12 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}"
 
-    one, two, cpp = by["one"], by["two"], by["llama.cpp"]
+    one, two = by["one"], by["two"]
+    cpp = by["llama-server"].total(8) or by["llama.cpp"].total(8)
     print(
         f"RESULT scaling8_one={ratio(one.total(8), one.total(1))} "
         f"scaling8_two={ratio(two.total(8), two.total(1))} "
-        f"agg8_over_llamacpp={ratio(one.total(8), cpp.total(8))}"
+        f"agg8_over_llamacpp={ratio(one.total(8), cpp)}"
     )
 
 

@@ -28,6 +28,7 @@ class OpenJob:
     resume: tuple[str, int] | None = None  # (key, n): a kept cache to take, cut to n
     copy: bool = False  # with `resume`: copy those n positions, the cache stays kept
     keep_as: str | None = None  # keep this session's cache under this key when it ends
+    ring: int = 1  # stages on the session's route (1: this node runs every layer)
 
 
 @dataclass(frozen=True)

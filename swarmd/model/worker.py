@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -123,6 +124,10 @@ class Ticket:
 
 BATCH_TOKENS = 512  # tokens of one forward: decode rows plus prompt chunks
 GATHER_MAX_S = 0.005  # the longest a forward waits for a session that comes back quickly
+# A stage on rings of several stages: a forward waits for its share of the sessions (below)
+# up to this share of a forward's time, and never longer than RING_WAIT_MAX_S.
+RING_WAIT_SHARE = 0.5
+RING_WAIT_MAX_S = 0.02
 
 
 class TorchWorker:
@@ -141,6 +146,8 @@ class TorchWorker:
         self._stopping = False
         self._batch_tokens = batch_tokens
         self._gatherer = Gatherer(gather_max_s)
+        self._rings: dict[str, int] = {}  # open session -> stages on its route
+        self._forward_s = 0.0  # a forward's time, an exponential average
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = False
         self._exited = threading.Event()
@@ -269,8 +276,22 @@ class TorchWorker:
             got = True
         return got
 
+    def _ring_share(self) -> int:
+        """The sessions one forward should hold where some come through rings of several
+        stages: a session on a ring of N stages counts 1/N, one that runs here alone 1;
+        0 where every session runs here alone (no cap, no wait).
+
+        A ring of N stages serves most when its sessions move as N groups, one on each
+        stage, instead of all on one stage while the others idle (README "Many users at
+        once"); left alone, they also scatter into forwards of one or two rows as their
+        steps come back at different times."""
+        if not any(n > 1 for n in self._rings.values()):
+            return 0
+        return max(1, math.ceil(sum(1 / n for n in self._rings.values()) - 1e-9))
+
     def _gather(self, first: Ticket) -> list[Ticket]:
-        """`first` and the queued steps of other sessions that fit the token budget.
+        """`first` and the queued steps of other sessions that fit the token budget (and,
+        on a ring, the session share of `_ring_share`).
 
         Jobs stay in order per session: once a session has a job left behind (a close, or
         a second step), none of its later jobs joins this forward.
@@ -280,6 +301,9 @@ class TorchWorker:
         tokens = _tokens(first)
         blocked: set[str] = set()
         until: float | None = None
+        share = self._ring_share()
+        # A forward short of its share waits for the steps that come back from the ring.
+        ring_until = time.monotonic() + min(RING_WAIT_MAX_S, RING_WAIT_SHARE * self._forward_s)
         self._drain()
         while True:
             kept: deque[Ticket] = deque()
@@ -291,7 +315,8 @@ class TorchWorker:
                     continue
                 if ticket.finished:  # skipped: its caller left
                     continue
-                if tokens + _tokens(ticket) > self._batch_tokens:
+                full = share and len(batch) >= share
+                if full or tokens + _tokens(ticket) > self._batch_tokens:
                     kept.append(ticket)
                     blocked.add(sid)
                     continue
@@ -301,8 +326,10 @@ class TorchWorker:
             self._pending = kept
             if until is None:
                 until = self._gatherer.wait_until(present)
-            left = until - time.monotonic()
-            if left <= 0 or tokens >= self._batch_tokens or not self._drain(left):
+            short = share and len(batch) < share
+            left = max(until, ring_until if short else 0.0) - time.monotonic()
+            full = tokens >= self._batch_tokens or (share and len(batch) >= share)
+            if left <= 0 or full or not self._drain(left):
                 return batch
 
     def _run_steps(self, batch: list[Ticket]) -> None:
@@ -317,6 +344,7 @@ class TorchWorker:
             assert isinstance(job, StepJob)
             requests.append(StepRequest(job.session_id, job.inputs, job.want_token))
         outcomes: list[Any]
+        started = time.monotonic()
         try:
             outcomes = self.runtime.step_many(requests)
         except SwarmError as exc:
@@ -326,6 +354,8 @@ class TorchWorker:
             error = InternalError(f"Model step failed: {type(exc).__name__}: {exc}")
             outcomes = [error] * len(tickets)
         self._gatherer.ended(_sid(t) for t in tickets)
+        took = time.monotonic() - started
+        self._forward_s = took if not self._forward_s else 0.8 * self._forward_s + 0.2 * took
         for ticket, outcome in zip(tickets, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 ticket._end(None, outcome)
@@ -335,8 +365,9 @@ class TorchWorker:
     def _execute(self, job: Job) -> Any:
         if isinstance(job, CloseJob):
             self._gatherer.forget(job.session_id)
+            self._rings.pop(job.session_id, None)
         if isinstance(job, OpenJob):
-            return self.runtime.open(
+            opened = self.runtime.open(
                 job.session_id,
                 job.max_length,
                 job.sampling,
@@ -348,6 +379,8 @@ class TorchWorker:
                 job.keep_as,
                 job.copy,
             )
+            self._rings[job.session_id] = job.ring
+            return opened
         return self.runtime.close(job.session_id)
 
 

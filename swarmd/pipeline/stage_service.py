@@ -317,6 +317,7 @@ class StageService:
             resume=None if req.resume is None else (_kept_key(req, req.resume[0]), req.resume[1]),
             keep_as=_kept_key(req, sid) if req.keep else None,
             copy=req.copy,
+            ring=len(req.route),
         )
         refused = False
         try:

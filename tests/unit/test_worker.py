@@ -13,6 +13,7 @@ import torch
 import trio
 
 from swarmd.errors import InternalError, ModelLoadError, StepTimeoutError, SwarmError
+from swarmd.model import worker as worker_module
 from swarmd.model.batching import Gatherer
 from swarmd.model.layers import LayerRange
 from swarmd.model.runtime import StepRequest
@@ -246,3 +247,69 @@ def test_the_gatherer_waits_only_for_sessions_that_come_back_quickly() -> None:
     assert gatherer.wait_until(set()) == 100.060
     gatherer.ended(["new"])  # no gap known yet: not waited for
     assert gatherer.wait_until(set()) == 100.060
+
+
+# --- a stage on rings --------------------------------------------------------------------
+
+
+async def test_a_ring_stage_runs_its_sessions_in_groups_of_their_share() -> None:
+    """Sessions on a ring of N stages move as N groups, one a stage: 8 sessions of a
+    two-stage ring queued together run as two forwards of 4 (oldest first); one that runs
+    here alone counts whole, so 4 ring sessions and 2 local ones share forwards of 4."""
+    worker = TorchWorker(FakeRuntime())
+    worker.start()
+    try:
+        ring = [f"r{i}" for i in range(8)]
+        for sid in ring:
+            await worker.run(OpenJob(sid, 10, None, ring=2), 5)
+        busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(worker.run(step(sid), 5)) for sid in ring]
+        await busy
+        await asyncio.gather(*tasks)
+        assert worker.runtime.batches[-2:] == [ring[:4], ring[4:]]  # type: ignore[attr-defined]
+        for sid in ring[4:]:
+            await worker.run(CloseJob(sid), 5)
+        for sid in ("l0", "l1"):  # ring 1: this node runs every layer
+            await worker.run(OpenJob(sid, 10, None), 5)
+        mixed = [*ring[:4], "l0", "l1"]  # shares 4 x 1/2 + 2 = 4
+        busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(worker.run(step(sid), 5)) for sid in mixed]
+        await busy
+        await asyncio.gather(*tasks)
+        assert worker.runtime.batches[-2:] == [mixed[:4], mixed[4:]]  # type: ignore[attr-defined]
+    finally:
+        await worker.stop()
+
+
+async def test_a_ring_forward_short_of_its_share_waits_for_the_steps_coming_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps that come back from a ring at different times are gathered into one forward
+    (within half a forward's time), not run as forwards of one row each; sessions that run
+    here alone are never capped or held."""
+    monkeypatch.setattr(worker_module, "RING_WAIT_MAX_S", 0.25)  # margins for a busy box
+    worker = TorchWorker(FakeRuntime())
+    worker.start()
+    try:
+        for sid in ("a", "b", "c", "d"):  # a share of 2 (4 sessions, 2 stages)
+            await worker.run(OpenJob(sid, 10, None, ring=2), 5)
+        # a slow forward first: the average forward time is 0.3 s, so a forward may wait
+        # half of it (0.15 s, under RING_WAIT_MAX_S)
+        await worker.run(OpenJob("slow-x", 10, None, ring=2), 5)
+        await worker.run(step("slow-x"), 5)
+        await worker.run(CloseJob("slow-x"), 5)
+        first = asyncio.create_task(worker.run(step("a"), 5))
+        await asyncio.sleep(0.008)  # b's step comes back 8 ms after a's
+        second = asyncio.create_task(worker.run(step("b"), 5))
+        await asyncio.gather(first, second)
+        assert worker.runtime.batches[-1] == ["a", "b"]  # type: ignore[attr-defined]
+        for sid in ("a", "b", "c", "d"):
+            await worker.run(CloseJob(sid), 5)
+        await worker.run(OpenJob("solo", 10, None), 5)
+        started = time.monotonic()
+        await worker.run(step("solo"), 5)
+        assert time.monotonic() - started < 0.1  # no ring session: nothing to wait for
+    finally:
+        await worker.stop()
