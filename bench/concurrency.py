@@ -292,16 +292,8 @@ def llamacpp_phase(args: argparse.Namespace, workdir: Path) -> Phase:
     cmd += ["--n_ctx", "4096", "--port", str(port), "--host", "127.0.0.1"]
     # By default a new request interrupts the one streaming: queue them instead.
     cmd += ["--interrupt_requests", "False"]
-    log = (workdir / "llamacpp.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
     phase = Phase("llama.cpp", f"llama-cpp-python {llama_cpp.__version__} server, same GGUF")
-    try:
-        model = wait_for_openai_server(port, "llama.cpp's server")
-        measure(phase, port, model, args)
-    finally:
-        stop_group(proc)
-        log.close()
-    return phase
+    return serve_and_measure(phase, cmd, port, args, workdir / "llamacpp.log")
 
 
 def llama_server_phase(args: argparse.Namespace, workdir: Path) -> Phase:
@@ -316,11 +308,18 @@ def llama_server_phase(args: argparse.Namespace, workdir: Path) -> Phase:
     cmd += ["--port", str(port), "-t", str(args.threads), "-tb", str(args.threads)]
     # A slot per stream, each with room for a prompt and its reply.
     cmd += ["-np", str(slots), "-c", str(slots * 1024), "--no-webui"]
-    log = (workdir / "llama-server.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
     phase = Phase("llama-server", f"llama.cpp's llama-server -np {slots}, same GGUF")
+    return serve_and_measure(phase, cmd, port, args, workdir / "llama-server.log")
+
+
+def serve_and_measure(
+    phase: Phase, cmd: list[str], port: int, args: argparse.Namespace, log_path: Path
+) -> Phase:
+    """Start an OpenAI server (`cmd`, listening on `port`), measure it, stop it."""
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
     try:
-        model = wait_for_openai_server(port, "llama-server")
+        model = wait_for_openai_server(port, phase.name)
         measure(phase, port, model, args)
     finally:
         stop_group(proc)

@@ -252,6 +252,17 @@ def test_the_gatherer_waits_only_for_sessions_that_come_back_quickly() -> None:
 # --- a stage on rings --------------------------------------------------------------------
 
 
+async def queued_together(worker: TorchWorker, sids: list[str]) -> list[list[str]]:
+    """Queue a step of each of `sids` behind a busy forward; the forwards they ran in."""
+    busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
+    await asyncio.sleep(0.05)  # the busy step is running: the rest queue behind it
+    before = len(worker.runtime.batches)  # type: ignore[attr-defined]
+    tasks = [asyncio.create_task(worker.run(step(sid), 5)) for sid in sids]
+    await busy
+    await asyncio.gather(*tasks)
+    return worker.runtime.batches[before:]  # type: ignore[attr-defined]
+
+
 async def test_a_ring_stage_runs_its_sessions_in_groups_of_their_share() -> None:
     """Sessions on a ring of N stages move as N groups, one a stage: 8 sessions of a
     two-stage ring queued together run as two forwards of 4 (oldest first); one that runs
@@ -262,23 +273,13 @@ async def test_a_ring_stage_runs_its_sessions_in_groups_of_their_share() -> None
         ring = [f"r{i}" for i in range(8)]
         for sid in ring:
             await worker.run(OpenJob(sid, 10, None, ring=2), 5)
-        busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.create_task(worker.run(step(sid), 5)) for sid in ring]
-        await busy
-        await asyncio.gather(*tasks)
-        assert worker.runtime.batches[-2:] == [ring[:4], ring[4:]]  # type: ignore[attr-defined]
+        assert await queued_together(worker, ring) == [ring[:4], ring[4:]]
         for sid in ring[4:]:
             await worker.run(CloseJob(sid), 5)
         for sid in ("l0", "l1"):  # ring 1: this node runs every layer
             await worker.run(OpenJob(sid, 10, None), 5)
         mixed = [*ring[:4], "l0", "l1"]  # shares 4 x 1/2 + 2 = 4
-        busy = asyncio.create_task(worker.run(step("slow-busy"), 5))
-        await asyncio.sleep(0.05)
-        tasks = [asyncio.create_task(worker.run(step(sid), 5)) for sid in mixed]
-        await busy
-        await asyncio.gather(*tasks)
-        assert worker.runtime.batches[-2:] == [mixed[:4], mixed[4:]]  # type: ignore[attr-defined]
+        assert await queued_together(worker, mixed) == [mixed[:4], mixed[4:]]
     finally:
         await worker.stop()
 
