@@ -189,7 +189,7 @@ def reference(q: torch.Tensor, cache: torch.Tensor, layer: int, lo: int, hi: int
 @needs_ops
 @pytest.mark.parametrize(
     ("heads", "kv", "dim"),
-    [(9, 3, 64), (4, 1, 256), (14, 2, 32), (8, 8, 128), (4, 2, 16), (6, 2, 48)],
+    [(9, 3, 64), (4, 1, 256), (32, 1, 32), (14, 2, 32), (8, 8, 128), (4, 2, 16), (6, 2, 48)],
 )
 def test_attention_is_float32_softmax_attention(heads: int, kv: int, dim: int) -> None:
     caches = slots(5, kv, 320, dim, seed=heads)
@@ -206,7 +206,8 @@ def test_attention_is_float32_softmax_attention(heads: int, kv: int, dim: int) -
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_querys_attention_has_its_bits_in_any_batch_and_any_chunk(threads: int) -> None:
     """What exactness rests on: a row attended alone, with other sessions' rows, or as one
-    position of a chunk of its own sequence, gets the same bits (on 1 and 2 threads)."""
+    position of a chunk of its own sequence (the kernel tiles such positions), gets the
+    same bits (on 1 and 2 threads)."""
     caches = slots(6, 3, 256, 64, seed=7)
     q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(2))
     his = [1, 40, 64, 65, 200, 256]
@@ -224,6 +225,14 @@ def test_a_querys_attention_has_its_bits_in_any_batch_and_any_chunk(threads: int
         for r in range(6):
             alone = native.attend(
                 q[r : r + 1], torch.empty(0), [caches[5]], 0, [0], [0], [his[r]], 0.125
+            )
+            assert torch.equal(alone[0], chunk[r])
+        # a chunk of a sliding-window layer: tiles of rows whose windows start apart
+        los = [max(0, hi - 50) for hi in his]
+        chunk = native.attend(q, torch.empty(0), [caches[5]], 0, [0] * 6, los, his, 0.125)
+        for r in range(6):
+            alone = native.attend(
+                q[r : r + 1], torch.empty(0), [caches[5]], 0, [0], [los[r]], [his[r]], 0.125
             )
             assert torch.equal(alone[0], chunk[r])
     finally:
