@@ -315,7 +315,7 @@ class TorchWorker:
                     continue
                 if ticket.finished:  # skipped: its caller left
                     continue
-                full = share and len(batch) >= share
+                full = share > 0 and len(batch) >= share
                 if full or tokens + _tokens(ticket) > self._batch_tokens:
                     kept.append(ticket)
                     blocked.add(sid)
@@ -326,9 +326,9 @@ class TorchWorker:
             self._pending = kept
             if until is None:
                 until = self._gatherer.wait_until(present)
-            short = share and len(batch) < share
+            short = share > 0 and len(batch) < share
             left = max(until, ring_until if short else 0.0) - time.monotonic()
-            full = tokens >= self._batch_tokens or (share and len(batch) >= share)
+            full = tokens >= self._batch_tokens or (share > 0 and len(batch) >= share)
             if left <= 0 or full or not self._drain(left):
                 return batch
 
