@@ -68,7 +68,7 @@ class Config:
     )
     dtype: str = "auto"  # matrix kernels compute in float32 | float16 | bfloat16; auto: by weights
     torch_threads: int = 0  # 0 = one per physical core
-    native_kernels: bool = True  # swarmd's int4 kernel (AVX512-BF16 CPUs); false: torch's
+    native_kernels: bool = True  # swarmd's int4/int8/attention kernels (AVX512-BF16)
     prefill_chunk_tokens: int = 256  # prompt tokens per forward step
     max_sessions: int = 32  # sessions in flight on this node (they share its forwards)
     max_remote_sessions: int = 64  # other peers' stage sessions here at once, on top of
