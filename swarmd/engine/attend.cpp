@@ -274,6 +274,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& new_kv, at::TensorList 
             float* base = c.data_ptr<float>() + layer * c.stride(0) + g * c.stride(3);
             float* keys = base;
             float* values = base + c.stride(1);
+            // a pair's scores: its keys rounded up to 16, with 16 floats before them
+            auto scores_of = [&](int64_t r) {
+                return (hi[r] - lo[r] + kLanes - 1) / kLanes * kLanes + kLanes;
+            };
             size_t room = 0;
             for (int64_t r = r0; r < r1; ++r) {
                 if (writes) {  // a decode row: its own cache (checked), its key and value
@@ -282,7 +286,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& new_kv, at::TensorList 
                     const float* fresh_v = fresh + rows * kv_heads * head_dim;
                     std::copy(fresh_v, fresh_v + head_dim, values + (hi[r] - 1) * head_dim);
                 }
-                room += group * ((hi[r] - lo[r] + kLanes - 1) / kLanes * kLanes + kLanes);
+                room += group * scores_of(r);
             }
             scratch.resize(room);
             int p = 0;
@@ -291,7 +295,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& new_kv, at::TensorList 
                 for (int64_t h = g * group; h < (g + 1) * group; ++h, ++p) {
                     const int64_t at = (r * heads + h) * head_dim;
                     pairs[p] = Pair{qp + at, lo[r], hi[r], free + kLanes, op + at};
-                    free += (hi[r] - lo[r] + kLanes - 1) / kLanes * kLanes + kLanes;
+                    free += scores_of(r);
                 }
             }
             fn(pairs, p, keys, values, head_dim, acc.data());

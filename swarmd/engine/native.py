@@ -60,8 +60,6 @@ ATTEND_LANES, ATTEND_MAX_HEAD_DIM = 16, 256  # attend.cpp's head dims: multiples
 class Ops:
     int4: Callable[..., torch.Tensor]  # (x, packed, scale, zero) -> bfloat16 [M, N]
     int8: Callable[..., torch.Tensor]  # (x, packed, scale) -> bfloat16 [M, N]
-    # (q, new_kv, caches, layer, which, lo, hi, scale) -> float32 [rows, heads, D]
-    attend: Callable[..., torch.Tensor]
 
 
 # Not -march=native: some VMs advertise AMX and trap on it (shared/notes/engine.md).
@@ -221,8 +219,7 @@ def _load() -> Ops | None:
             log.info("building swarmd's kernels once into %s", path.parent)
             path = build(path.parent)
         torch.ops.load_library(str(path))
-        swarmd = torch.ops.swarmd
-        loaded = Ops(swarmd.int4_bf16_mm, swarmd.int8_bf16_mm, swarmd.attend)
+        loaded = Ops(torch.ops.swarmd.int4_bf16_mm, torch.ops.swarmd.int8_bf16_mm)
     except subprocess.CalledProcessError as exc:
         log.warning(
             "int4 and int8 kernels: torch's (the build failed: %s)", exc.stderr.strip()[-500:]

@@ -121,6 +121,16 @@ def _attend_group(
     return got.view(count, kv_heads, -1, head_dim)
 
 
+def _scaled(q: torch.Tensor, kv_heads: int, group: int, scale: float) -> torch.Tensor:
+    """q [B, 1, heads, D] -> [B, kv, R, D]: `attention.scaled_heads` of each row (its heads
+    sharing a KV head padded to attention.MIN_ROWS rows), the shapes `one_query` uses, so
+    the same bits."""
+    scaled = q.reshape(q.shape[0], kv_heads, group, q.shape[-1]) * scale
+    if group < 4:  # attention.MIN_ROWS
+        scaled = F.pad(scaled, [0, 0, 0, 4 - group])
+    return scaled
+
+
 def _decode_layers(
     x: torch.Tensor,  # [B, H] float32: each row's one token
     norms: list[list[torch.Tensor]],  # per layer: attn, mlp, q, k, post-attn, post-mlp
@@ -141,7 +151,6 @@ def _decode_layers(
     writes: list[torch.Tensor],  # per group: where its rows' keys, then values, go in a layer
     masks: list[torch.Tensor],  # per group: [slots, 1, width], True past each row's position
     native_attend: bool,  # attention on attend.cpp (every row; `pooled` and groups unused)
-    which: list[int],  # 0 .. B - 1: each row's own cache, for attend
     mm: torch.dtype,  # the matrices' activation dtype
     act: torch.dtype,  # the residual stream's
     heads: int,
@@ -161,6 +170,8 @@ def _decode_layers(
     keys_of: list[list[torch.Tensor]] = []
     keys_t_of: list[list[torch.Tensor]] = []
     values_of: list[list[torch.Tensor]] = []
+    # for attend: each row's own cache, and the positions it sees on each kind of layer
+    rows = list(range(batch))
     his = [start + 1 for start in starts]
     los = [[row[kind] for row in firsts] for kind in range(len(cos))]
     if not native_attend and not all(pooled):
@@ -195,56 +206,52 @@ def _decode_layers(
         if native_attend:  # each row over its own cache, its key and value written first
             fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
             q_rows = q.reshape(batch, heads, head_dim)
-            got = torch.ops.swarmd.attend(q_rows, fresh, caches, i, which, los[kind], his, scale)
+            got = torch.ops.swarmd.attend(q_rows, fresh, caches, i, rows, los[kind], his, scale)
             attn = got.view(batch, heads * head_dim)
+        elif pooled[kind]:
+            # The rows of a page that read the same span are one matmul over the page's
+            # slots from the lowest to the highest of them (a slot between them that is
+            # not in this step, or reads another span, computes what nobody reads).
+            # The rows come grouped (`_Pages.order`): a group is rows [first, first + n).
+            fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
+            scaled = _scaled(q, kv_heads, group, scale)
+            outs4: list[torch.Tensor] = []
+            for g in range(len(pages)):
+                first = spans[g][3]
+                n = spans[g][4]
+                q_g = scaled.narrow(0, first, n)
+                if spans[g][1] != n:  # slots between its rows: zeros stand in for them
+                    q_g = torch.zeros(spans[g][1], kv_heads, 4, head_dim, dtype=scaled.dtype)
+                    q_g.index_copy_(0, offsets[g], scaled.narrow(0, first, n))
+                got = _attend_group(
+                    pages[g][i], spans[g], fresh.narrow(1, first, n), q_g, writes[g], masks[g]
+                )
+                outs4.append(got if spans[g][1] == n else got.index_select(0, offsets[g]))
+            attn4 = outs4[0] if len(outs4) == 1 else torch.cat(outs4)
+            attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
         else:
-            # `one_query` of each row: the same matrices row for row, so the same bits.
-            scaled = q.reshape(batch, kv_heads, group, head_dim) * scale
-            if group < 4:  # attention.MIN_ROWS
-                scaled = F.pad(scaled, [0, 0, 0, 4 - group])
-            if pooled[kind]:
-                # The rows of a page that read the same span are one matmul over the page's
-                # slots from the lowest to the highest of them (a slot between them that is
-                # not in this step, or reads another span, computes what nobody reads).
-                # The rows come grouped (`_Pages.order`): a group is rows [first, first + n).
-                fresh = torch.stack([k, v]).view(2, batch, kv_heads, head_dim)
-                outs4: list[torch.Tensor] = []
-                for g in range(len(pages)):
-                    first = spans[g][3]
-                    n = spans[g][4]
-                    q_g = scaled.narrow(0, first, n)
-                    if spans[g][1] != n:  # slots between its rows: zeros stand in for them
-                        q_g = torch.zeros(spans[g][1], kv_heads, 4, head_dim, dtype=scaled.dtype)
-                        q_g.index_copy_(0, offsets[g], scaled.narrow(0, first, n))
-                    got = _attend_group(
-                        pages[g][i], spans[g], fresh.narrow(1, first, n), q_g, writes[g], masks[g]
-                    )
-                    outs4.append(got if spans[g][1] == n else got.index_select(0, offsets[g]))
-                attn4 = outs4[0] if len(outs4) == 1 else torch.cat(outs4)
-                attn = attn4.narrow(2, 0, group).reshape(batch, heads * head_dim)
-            else:
-                scaled_rows = scaled.unbind(0)
-                k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
-                v_rows = v.transpose(1, 2).unbind(0)
-                outs: list[torch.Tensor] = []
-                for r in range(batch):
-                    start = starts[r]
-                    lo = firsts[r][kind]
-                    keys = keys_of[r][i]
-                    values = values_of[r][i]
-                    keys.narrow(1, start, 1).copy_(k_rows[r])
-                    values.narrow(1, start, 1).copy_(v_rows[r])
-                    first = lo // 64 * 64  # attention.span
-                    width = (start + 1 - first + 63) // 64 * 64
-                    got = attend_rows(
-                        scaled_rows[r],
-                        keys_t_of[r][i].narrow(2, first, width),
-                        values.narrow(1, first, width),
-                        lo - first,
-                        start + 1 - first,
-                    )
-                    outs.append(got.narrow(1, 0, group))
-                attn = torch.stack(outs).view(batch, heads * head_dim)
+            scaled_rows = _scaled(q, kv_heads, group, scale).unbind(0)
+            k_rows = k.transpose(1, 2).unbind(0)  # [kv, 1, D] each
+            v_rows = v.transpose(1, 2).unbind(0)
+            outs: list[torch.Tensor] = []
+            for r in range(batch):
+                start = starts[r]
+                lo = firsts[r][kind]
+                keys = keys_of[r][i]
+                values = values_of[r][i]
+                keys.narrow(1, start, 1).copy_(k_rows[r])
+                values.narrow(1, start, 1).copy_(v_rows[r])
+                first = lo // 64 * 64  # attention.span
+                width = (start + 1 - first + 63) // 64 * 64
+                got = attend_rows(
+                    scaled_rows[r],
+                    keys_t_of[r][i].narrow(2, first, width),
+                    values.narrow(1, first, width),
+                    lo - first,
+                    start + 1 - first,
+                )
+                outs.append(got.narrow(1, 0, group))
+            attn = torch.stack(outs).view(batch, heads * head_dim)
         out = _matmul(mat[nq], attn.to(mm))
         if norm[4].numel() != 0:
             out = F.rms_norm(out.to(act), [hidden], norm[4], eps)
@@ -417,7 +424,6 @@ class DecodeLoop:
                 pages.writes,
                 pages.masks,
                 self._native_attend,
-                list(range(len(caches))),
                 self._mm,
                 self._act,
                 heads,

@@ -474,7 +474,7 @@ class _Step:
         """Each position's window on layers of `kind`: ([lo per position], [hi ...])."""
         got = self._bounds.get(kind)
         if got is None:
-            windows = [self.window_of(kind, self.start + t) for t in range(self.count)]
+            windows = self._windows(kind)
             got = self._bounds[kind] = ([w[0] for w in windows], [w[1] for w in windows])
         return got
 
@@ -483,9 +483,11 @@ class _Step:
         for all of them."""
         plan = self._plans.get(kind)
         if plan is None:
-            windows = [self.window_of(kind, self.start + t) for t in range(self.count)]
-            plan = self._plans[kind] = plan_chunk(windows, self._group)
+            plan = self._plans[kind] = plan_chunk(self._windows(kind), self._group)
         return plan
+
+    def _windows(self, kind: str) -> list[tuple[int, int]]:
+        return [self.window_of(kind, self.start + t) for t in range(self.count)]
 
     def window_of(self, kind: str, position: int) -> tuple[int, int]:
         """[first, end) of the cached positions a one-token step at `position` reads."""

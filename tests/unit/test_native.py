@@ -113,7 +113,7 @@ def test_a_bias_is_added_and_an_empty_batch_gives_no_rows(fmt: str, kernel: str)
 
 def test_the_ops_refuse_what_they_cannot_compute() -> None:
     """Shapes the blocking never makes are refused with torch's error, never read past."""
-    unloaded = native.Ops(torch.mm, torch.mm, torch.mm)
+    unloaded = native.Ops(torch.mm, torch.mm)
     with pytest.raises(ModelLoadError, match="N % 16"):
         Int4Dot(weights("int4", 24, 64), None, unloaded)  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="N % 16"):
