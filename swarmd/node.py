@@ -239,6 +239,10 @@ class Node:
         for held in self.held.values():
             held.worker.start()
         await self.bridge.start()
+        if self.held:
+            # The stage service parses and builds hidden states with torch ops in the trio
+            # thread: keep it out of OpenMP like the loop's thread (threads.py says why).
+            await self.bridge.run(_single_threaded)
         self.bridge.start_soon(self.swarm.run)
         try:
             await asyncio.wait_for(self.bridge.run(self.swarm.wait_ready), SWARM_START_TIMEOUT_S)
@@ -486,9 +490,10 @@ class Node:
 
     @property
     def stage_service(self) -> StageService:
-        if self._stage_service is None:
+        service = self._stage_service  # read once: the trio thread clears it at the end
+        if service is None:
             raise InternalError("the stage service is not running")
-        return self._stage_service
+        return service
 
     def rtt_ms(self) -> dict[str, float]:
         return {r.peer_id: r.rtt_ms for r in self.swarm.peers.snapshot() if r.rtt_ms is not None}
@@ -598,8 +603,9 @@ class Node:
         return models
 
     def _make_records(self, host: P2PHost) -> list[NodeRecord]:
-        # Called on the trio side; trio runs as a guest on this thread, so reading the
-        # asyncio side's state here is safe.
+        # Called in the trio thread. What it reads of the API's side is safe there: the
+        # tokens-per-second ring is copied in one step, api_url is a plain string, and
+        # the budgets a record reads hold locks.
         addrs = tuple(host.announced[:16])
         return [
             held.record(
@@ -611,6 +617,12 @@ class Node:
             )
             for model_id, held in self.held.items()
         ]
+
+
+async def _single_threaded() -> None:
+    from swarmd.model.threads import keep_this_thread_single_threaded
+
+    keep_this_thread_single_threaded()
 
 
 def check_api_exposure(config: Config) -> None:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -154,9 +155,16 @@ def _start(
 ) -> asyncio.Task[None]:
     """Forward to `holder`, its frames (or its error) put on `frames`."""
 
+    loop = asyncio.get_running_loop()
+
+    def deliver(frame: dict[str, Any]) -> None:
+        # Called in the trio thread; the queue is the loop's (FIFO, so frames keep order).
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads
+            loop.call_soon_threadsafe(frames.put_nowait, frame)
+
     async def run() -> None:
         try:
-            await node.forward_to(holder.peer_id, path, body, frames.put_nowait)
+            await node.forward_to(holder.peer_id, path, body, deliver)
         except Exception as exc:  # handed to the writer, which raises it
             frames.put_nowait(exc)
 

@@ -130,15 +130,17 @@ class SwarmPresence:
 
     @property
     def host(self) -> P2PHost:
-        if self._host is None:
+        host = self._host  # read once: the trio thread clears it when the host ends
+        if host is None:
             raise InternalError("the libp2p host is not running")
-        return self._host
+        return host
 
     @property
     def announced(self) -> list[str]:
         """What peers are told to dial (see `P2PHost.announced`); none before the host runs
         (and, for a node without inbound connections, until a relay holds a slot)."""
-        return self._host.announced if self._host is not None else []
+        host = self._host  # read once: the trio thread clears it when the host ends
+        return host.announced if host is not None else []
 
     @property
     def host_or_none(self) -> P2PHost | None:
@@ -147,7 +149,8 @@ class SwarmPresence:
 
     def rejected_records(self) -> dict[str, int]:
         """DHT records refused so far, by reason."""
-        return dict(self._discovery.stats.rejected) if self._discovery is not None else {}
+        discovery = self._discovery  # read once, as `announced`
+        return dict(discovery.stats.rejected) if discovery is not None else {}
 
     @property
     def rpc(self) -> RpcService:

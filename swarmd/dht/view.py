@@ -72,8 +72,8 @@ class HoldersView:
 
     def read(self, model_id: str) -> list[NodeRecord] | None:
         """The model's live holders as last looked up, without the expired ones; None
-        while no lookup of it has answered (then `fetch`). Any thread of the trio run's
-        host loop may call it: it only reads plain data."""
+        while no lookup of it has answered (then `fetch`). The API's thread calls it too: it
+        only reads plain data (the trio thread replaces a model's records whole)."""
         watched = self._watched.get(model_id)
         if watched is None or not watched.fetched:
             return None

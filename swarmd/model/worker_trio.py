@@ -1,8 +1,7 @@
 """Waiting for a torch worker job from trio (the stage service's side).
 
 The worker calls `wake` on its own thread; trio's token hands the wake-up to the trio
-run (a guest run on the asyncio loop works the same way), so a stage step never passes
-through asyncio.
+run (in the trio thread), so a stage step never passes through asyncio.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 - `identity.py`  `Identity` (Ed25519 key, libp2p peer id, short id), `verify`,
                  `load_or_create_identity` (the 0600 key file in the data dir)
-- `bridge.py`    `TrioBridge`: py-libp2p (trio) as a guest run on the asyncio loop; the
-                 only module that imports both
+- `bridge.py`    `TrioBridge`: py-libp2p (trio) in its own thread beside the asyncio
+                 loop; the only module that imports both
 - `host.py`      `open_host` / `P2PHost`: libp2p with Noise only and yamux
 - `noise_writes.py`, `yamux_tuning.py`  fixes to py-libp2p's Noise and yamux, applied
                  when `host` is imported

@@ -1,9 +1,8 @@
 """The one crossing between asyncio (the process's main loop) and trio (py-libp2p).
 
-aiohttp, signals and shutdown live on asyncio; py-libp2p is built on trio. Instead of a
-second thread, trio runs as a *guest* on the asyncio loop (`trio.lowlevel.start_guest_run`):
-both loops share the main thread, and trio only borrows a worker thread to wait for I/O.
-No other module of swarmd imports both libraries (DESIGN.md section 1).
+aiohttp, signals and shutdown live on asyncio, in the main thread; py-libp2p is built on
+trio, which runs in a thread of its own (`trio.run` in the "swarmd-trio" thread). No
+other module of swarmd imports both libraries (DESIGN.md section 1).
 
     bridge = TrioBridge()
     await bridge.start()
@@ -12,15 +11,25 @@ No other module of swarmd imports both libraries (DESIGN.md section 1).
     ... inside trio code: value = await bridge.to_asyncio(some_coroutine())
     await bridge.stop()
 
+Why a thread and not a guest run on the asyncio loop (what swarmd did up to 0.7): a guest
+run waits for I/O in a helper thread and comes back to the loop through
+`call_soon_threadsafe`, so every wake of the network side (a frame arriving, the torch
+worker done) crossed two threads instead of one, and each trio checkpoint cost an asyncio
+loop iteration. Measured on a 2-core box (bench/p2p.py's echo, 2 KB frames): a libp2p
+round trip 0.86-0.93 ms as guest runs against 0.53-0.57 ms with trio in its own thread;
+a stage hop pays that twice (issue 17).
+
 Rules the bridge keeps:
 
-- Trio objects (nurseries, cancel scopes) are touched only from trio code: the asyncio
-  side reaches trio through `TrioToken.run_sync_soon`, which also wakes trio's I/O wait.
+- Trio objects (nurseries, cancel scopes, channels, events) are touched only in the trio
+  thread: the asyncio side reaches trio through `TrioToken.run_sync_soon`, and asyncio
+  objects only in the loop's thread: trio reaches asyncio through
+  `loop.call_soon_threadsafe`. State both sides read or write is either immutable, read
+  as a whole value (a snapshot), or guarded by a lock of its own.
 - Every trio task belongs to the root nursery; a call made with `run()` is cancelled with
   its asyncio caller, and the caller sees `CancelledError` only once the trio side has
   finished unwinding, so no trio task outlives the code that asked for it.
-- `stop()` cancels the root scope and waits for trio's `done_callback`, so the trio run
-  has finished before the asyncio loop closes (trio's docs require it).
+- `stop()` cancels the root scope and returns once the trio thread has finished.
 """
 
 from __future__ import annotations
@@ -28,19 +37,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import threading
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import trio
 
 from swarmd.errors import InternalError
-
-if TYPE_CHECKING:
-    import outcome
 
 __all__ = ["TrioBridge"]
 
@@ -48,14 +53,28 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+THREAD_NAME = "swarmd-trio"
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` on `loop` from any thread; nothing when the loop has closed (the
+    process is shutting down and nobody waits for it any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
 
 @dataclass(eq=False)
 class _Call(Generic[T]):
     """One `TrioBridge.run` call: what to run in trio and where its result lands.
 
-    `finished` is an asyncio future that only the trio side resolves, once the call has
-    completely unwound. The cancel scope is created here on the asyncio side (a scope is a
-    plain object until entered) but only ever cancelled from trio code.
+    `finished` is an asyncio future resolved (on the loop) once the trio side has
+    completely unwound the call. The cancel scope is created on the asyncio side (a scope
+    is a plain object until entered) but only ever entered and cancelled in trio.
     """
 
     fn: Callable[..., Awaitable[T]]
@@ -64,19 +83,20 @@ class _Call(Generic[T]):
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     value: T | None = None
     error: BaseException | None = None
+    settled: bool = False  # trio side only
 
     def settle(self, value: T | None = None, error: BaseException | None = None) -> None:
-        """Record the call's result; the first settle wins (later ones are no-ops)."""
-        if self.finished.done():
+        """(trio) Record the call's result; the first settle wins (later ones are no-ops).
+        The value is written before the loop is told, so the caller reads it whole."""
+        if self.settled:
             return
+        self.settled = True
         self.value, self.error = value, error
-        # Trio code runs on the asyncio loop's thread (guest ticks are loop callbacks),
-        # so resolving an asyncio future directly from trio is safe.
-        self.finished.set_result(None)
+        _on_loop(self.finished.get_loop(), _resolve, self.finished)
 
 
 class TrioBridge:
-    """A trio guest run on the running asyncio loop, with calls in both directions.
+    """A trio run in its own thread, with calls in both directions from the asyncio loop.
 
     A bridge runs once: `start()`, any number of calls, `stop()`. It is also an async
     context manager (`async with TrioBridge() as bridge:`).
@@ -85,6 +105,7 @@ class TrioBridge:
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._token: trio.lowlevel.TrioToken | None = None
+        self._thread: threading.Thread | None = None
         # Wraps the root nursery; cancelling it is how the trio run is told to end.
         self._root_scope = trio.CancelScope()
         # Set while the root nursery accepts new tasks (trio side only).
@@ -105,6 +126,10 @@ class TrioBridge:
             and not self._stopping
         )
 
+    def in_trio_thread(self) -> bool:
+        """Whether the caller runs in this bridge's trio thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     async def __aenter__(self) -> TrioBridge:
         await self.start()
         return self
@@ -118,7 +143,7 @@ class TrioBridge:
         await self.stop()
 
     async def start(self) -> None:
-        """Start trio as a guest on this asyncio loop; return once it accepts calls.
+        """Start trio in its thread; return once it accepts calls.
 
         If the trio run dies before it is ready, raises `InternalError` from the cause.
         """
@@ -128,20 +153,8 @@ class TrioBridge:
         self._loop = loop
         self._ready = loop.create_future()
         self._done = loop.create_future()
-        try:
-            with _sigint_left_to_host():
-                trio.lowlevel.start_guest_run(
-                    self._trio_main,
-                    run_sync_soon_threadsafe=loop.call_soon_threadsafe,
-                    run_sync_soon_not_threadsafe=loop.call_soon,
-                    host_uses_signal_set_wakeup_fd=True,
-                    done_callback=self._on_trio_done,
-                )
-        except RuntimeError as exc:  # a trio run already lives in this thread
-            self._done.set_result(None)
-            raise InternalError(f"cannot start the trio guest run: {exc}") from exc
-        # Documented: once start_guest_run returns, sync trio calls work from the host.
-        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._thread_main, name=THREAD_NAME, daemon=True)
+        self._thread.start()
         await asyncio.wait({self._ready, self._done}, return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.done():
             failure, self._failure = self._failure, None
@@ -157,12 +170,18 @@ class TrioBridge:
         """
         token = self._live_token()
         call: _Call[T] = _Call(fn, args, asyncio.get_running_loop().create_future())
-        token.run_sync_soon(self._spawn_call, call)
+        try:
+            token.run_sync_soon(self._spawn_call, call)
+        except trio.RunFinishedError:  # ended on its own, `_done` not resolved yet
+            raise InternalError("the trio bridge is not running") from None
         try:
             await asyncio.shield(call.finished)
         except asyncio.CancelledError:
-            if not call.finished.done():  # then trio is still running: it settles every call
-                token.run_sync_soon(call.scope.cancel, "asyncio caller cancelled")
+            if not call.finished.done():
+                # Trio settles every call (a run ending settles its calls with an error);
+                # a cancel reaching a call that has just ended is a no-op.
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(call.scope.cancel, "asyncio caller cancelled")
             await _wait_ignoring_cancel(call.finished)
             raise
         error, call.error = call.error, None
@@ -173,11 +192,14 @@ class TrioBridge:
     def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """Start `fn(*args)` as a background trio task owned by the root nursery.
 
-        Safe to call from the loop (and from any thread). `stop()` cancels the task. As in
-        any trio nursery, an exception escaping the task ends the whole trio run: it is
-        logged at once and raised (as `InternalError`) by `stop()`.
+        Safe to call from any thread. `stop()` cancels the task. As in any trio nursery,
+        an exception escaping the task ends the whole trio run: it is logged at once and
+        raised (as `InternalError`) by `stop()`.
         """
-        self._live_token().run_sync_soon(self._spawn_background, fn, args)
+        try:
+            self._live_token().run_sync_soon(self._spawn_background, fn, args)
+        except trio.RunFinishedError:
+            raise InternalError("the trio bridge is not running") from None
 
     async def to_asyncio(self, coro: Coroutine[Any, Any, T]) -> T:
         """From trio code: run `coro` as an asyncio task on the host loop; return its result.
@@ -187,29 +209,46 @@ class TrioBridge:
         instead, raises `InternalError`.
         """
         loop = self._loop
-        if loop is None or self._done is None or self._done.done():
+        if loop is None or self._done is None or self._done.done() or self._stopping:
             coro.close()
             raise InternalError("TrioBridge.to_asyncio() called while the bridge is not running")
-        token = trio.lowlevel.current_trio_token()
-        if token is not self._token:
+        if not self.in_trio_thread():
             coro.close()
             raise InternalError("TrioBridge.to_asyncio() called from another trio run")
+        token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
-        task = loop.create_task(coro)
-        # Done callbacks run on the loop, outside trio: go back in through the token,
-        # which also wakes trio if it is blocked waiting for I/O.
-        task.add_done_callback(lambda _task: token.run_sync_soon(finished.set))
+        held: list[asyncio.Task[T]] = []
+
+        def wake(_task: asyncio.Task[T]) -> None:  # on the loop
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(finished.set)
+
+        def begin() -> None:  # on the loop
+            task = loop.create_task(coro)
+            held.append(task)
+            task.add_done_callback(wake)
+
+        def cancel() -> None:  # on the loop, after begin (call_soon_threadsafe is FIFO)
+            held[0].cancel()
+
+        try:
+            loop.call_soon_threadsafe(begin)
+        except RuntimeError as exc:  # the loop closed
+            coro.close()
+            raise InternalError("the asyncio loop is closed") from exc
         try:
             await finished.wait()
         finally:
             if not finished.is_set():  # the trio caller is being cancelled
-                task.cancel()
+                _on_loop(loop, cancel)
                 with trio.CancelScope(shield=True):
                     await finished.wait()
+                task = held[0]
                 if not task.cancelled() and (late := task.exception()) is not None:
                     # Retrieved so asyncio does not log "never retrieved"; trio's
                     # Cancelled is what propagates from here.
                     log.debug("asyncio task failed while being cancelled", exc_info=late)
+        task = held[0]
         if task.cancelled():
             raise InternalError("the asyncio task behind to_asyncio() was cancelled")
         return task.result()
@@ -226,21 +265,38 @@ class TrioBridge:
         if not self._stopping:
             self._stopping = True
             if not self._done.done() and self._token is not None:
-                self._token.run_sync_soon(self._root_scope.cancel, "TrioBridge.stop()")
+                with contextlib.suppress(trio.RunFinishedError):
+                    self._token.run_sync_soon(self._root_scope.cancel, "TrioBridge.stop()")
         await asyncio.shield(self._done)
+        if self._thread is not None:
+            # Its last act was to resolve `_done`: what is left of it is returning.
+            self._thread.join()
         failure, self._failure = self._failure, None
         if failure is not None:
             raise InternalError(f"the trio run failed: {failure!r}") from failure
 
     # --- trio side ----------------------------------------------------------------
 
+    def _thread_main(self) -> None:
+        """The trio thread: the whole trio run, then tell the loop it has ended."""
+        failure: BaseException | None = None
+        try:
+            trio.run(self._trio_main)
+        except BaseException as exc:  # kept for stop() to raise; nothing is retried
+            failure = exc
+        assert self._loop is not None
+        _on_loop(self._loop, self._on_trio_done, failure)
+
     async def _trio_main(self) -> None:
-        """The guest run's main task: hold the root nursery open until cancelled."""
+        """The trio run's main task: hold the root nursery open until cancelled."""
+        self._token = trio.lowlevel.current_trio_token()
+        if self._stopping:  # stop() came before the token it would have cancelled with
+            self._root_scope.cancel("TrioBridge.stop()")
         with self._root_scope:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                assert self._ready is not None  # set by start() before the run begins
-                self._ready.set_result(None)
+                assert self._ready is not None  # set by start() before the thread starts
+                _on_loop(self._ready.get_loop(), _resolve, self._ready)
                 try:
                     await trio.sleep_forever()
                 finally:
@@ -276,15 +332,13 @@ class TrioBridge:
         # run_sync_soon, where trio would turn it into a TrioInternalError.
         self._nursery.start_soon(_await_call, fn, args, name=fn)
 
-    def _on_trio_done(self, run_outcome: outcome.Outcome[None]) -> None:
-        """trio's done_callback (on the loop): remember a failure, wake stop()."""
-        try:
-            run_outcome.unwrap()
-        except BaseException as exc:  # kept for stop() to raise; nothing is retried
-            self._failure = exc
-            log.error("the trio run failed", exc_info=exc)
+    def _on_trio_done(self, failure: BaseException | None) -> None:
+        """(loop) The trio thread has ended: remember a failure, wake stop()."""
+        if failure is not None:
+            self._failure = failure
+            log.error("the trio run failed", exc_info=failure)
         assert self._done is not None
-        self._done.set_result(None)
+        _resolve(self._done)
 
     def _live_token(self) -> trio.lowlevel.TrioToken:
         if not self.running or self._token is None:
@@ -301,31 +355,3 @@ async def _wait_ignoring_cancel(future: asyncio.Future[None]) -> None:
     while not future.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(future)
-
-
-def _default_int_stand_in(signum: int, frame: types.FrameType | None) -> None:
-    signal.default_int_handler(signum, frame)
-
-
-@contextlib.contextmanager
-def _sigint_left_to_host() -> Iterator[None]:
-    """Keep trio's guest run from taking over SIGINT.
-
-    A trio run installs its own SIGINT handler when it finds Python's default one,
-    guest runs included; Ctrl-C would then become a KeyboardInterrupt inside trio's
-    root task instead of reaching asyncio, which owns signals here. Trio checks for
-    `signal.default_int_handler` by identity, so an equivalent stand-in during
-    `start_guest_run` makes it leave SIGINT alone; the default is put back afterwards.
-    """
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield
-        return
-    signal.signal(signal.SIGINT, _default_int_stand_in)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is _default_int_stand_in:
-            signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,8 +1,8 @@
-"""The peer table: what this node measured about its peers, and whom it has banned (pure).
+"""The peer table: what this node measured about its peers, and whom it has banned.
 
 No I/O and no clock: every method that needs the time takes ``now`` (unix seconds). The
-networking code feeds it samples; the scheduler and the diagnostics read `snapshot()`
-and `bans(now)`.
+networking code (the trio thread) feeds it samples; the scheduler and the diagnostics (the
+API's thread) read `snapshot()` and `bans(now)`, so every public method holds a lock.
 
 A peer's RTT is the lowest of its last ``rtt_window`` round trips (8: about 40 s of
 pings). Route planning wants the path's delay, and a ping answered while the peer or this
@@ -49,14 +49,31 @@ public ones: a LAN peer has an address of its own.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from swarmd.net.safe_text import safe_text
 
 __all__ = ["BanPolicy", "BanRow", "PeerRow", "PeerTable"]
+
+R = TypeVar("R")
+
+
+def _locked(method: Callable[..., R]) -> Callable[..., R]:
+    """A public method of `PeerTable`, run under the table's lock."""
+
+    @functools.wraps(method)
+    def run(self: PeerTable, *args: Any, **kwargs: Any) -> R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -178,6 +195,8 @@ class PeerTable:
         self._peers: dict[str, _Peer] = {}
         self._bans: dict[str, _Ban] = {}
         self._addr_bans: dict[str, _Ban] = {}  # by IP: offences, and until when banned
+        # The trio thread feeds it, the API's thread reads it (route planning, diagnostics).
+        self._lock = threading.RLock()
 
     # --- measurements -------------------------------------------------------------------
 
@@ -194,21 +213,25 @@ class PeerTable:
         last_seen = self._peers[peer_id].last_seen
         return -math.inf if last_seen is None else last_seen
 
+    @_locked
     def seen(self, peer_id: str, now: float) -> None:
         """The peer was heard from at `now` (never moves last_seen backwards)."""
         peer = self._peer(peer_id)
         if peer.last_seen is None or now > peer.last_seen:
             peer.last_seen = now
 
+    @_locked
     def set_addrs(self, peer_id: str, addrs: tuple[str, ...] | list[str]) -> None:
         self._peer(peer_id).addrs = tuple(addrs)
 
+    @_locked
     def record_rtt(self, peer_id: str, ms: float, now: float) -> None:
         """A round trip to the peer took `ms` milliseconds (it is also seen at `now`)."""
         sample = _check_sample("ms", ms)
         self.seen(peer_id, now)
         self._peers[peer_id].rtts.append(sample)
 
+    @_locked
     def record_transfer(self, peer_id: str, nbytes: int, seconds: float, now: float) -> None:
         """`nbytes` went to or came from the peer in `seconds`; updates throughput."""
         size = _check_sample("nbytes", nbytes)
@@ -219,6 +242,7 @@ class PeerTable:
         peer = self._peers[peer_id]
         peer.throughput_bps = _ewma(peer.throughput_bps, size / duration, self._throughput_alpha)
 
+    @_locked
     def record_layer_ms(self, peer_id: str, ms: float, now: float) -> None:
         """A decode step ran through the peer at `ms` milliseconds per layer."""
         sample = _check_sample("ms", ms)
@@ -226,6 +250,7 @@ class PeerTable:
         peer.layer_ms = _ewma(peer.layer_ms, sample, self._layer_alpha)
         peer.layer_ms_at = now
 
+    @_locked
     def layer_ms(self, now: float) -> dict[str, float]:
         """Each peer's measured ms per layer, for those sampled within `layer_ms_ttl_s`."""
         return {
@@ -236,20 +261,24 @@ class PeerTable:
             and now - peer.layer_ms_at <= self._layer_ms_ttl_s
         }
 
+    @_locked
     def record_failure(self, peer_id: str) -> int:
         """A call to the peer failed; returns its failure count."""
         peer = self._peer(peer_id)
         peer.failures += 1
         return peer.failures
 
+    @_locked
     def forget(self, peer_id: str) -> None:
         """Drop the peer's measurements (its ban, if any, stays)."""
         self._peers.pop(peer_id, None)
 
+    @_locked
     def get(self, peer_id: str) -> PeerRow | None:
         peer = self._peers.get(peer_id)
         return None if peer is None else self._row(peer_id, peer)
 
+    @_locked
     def snapshot(self) -> tuple[PeerRow, ...]:
         """Every known peer, sorted by peer id."""
         return tuple(self._row(pid, self._peers[pid]) for pid in sorted(self._peers))
@@ -267,9 +296,11 @@ class PeerTable:
             layer_ms_at=peer.layer_ms_at,
         )
 
+    @_locked
     def __len__(self) -> int:
         return len(self._peers)
 
+    @_locked
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._peers
 
@@ -282,6 +313,7 @@ class PeerTable:
         forgiven = int((now - ban.until) // self._policy.decay_s)
         return max(0, ban.offences - forgiven)
 
+    @_locked
     def ban(self, peer_id: str, reason: str, now: float, addr: str | None = None) -> float:
         """Ban the peer for its offence at `now`; returns the time the ban ends.
 
@@ -323,22 +355,26 @@ class PeerTable:
                 entry.since = now
             entry.until = max(entry.until, peer_until)
 
+    @_locked
     def is_address_banned(self, addr: str, now: float) -> bool:
         """Whether peers connecting from IP `addr` are refused at `now`."""
         key = _bannable_address(addr)
         entry = self._addr_bans.get(key) if key is not None else None
         return entry is not None and now < entry.until
 
+    @_locked
     def unban(self, peer_id: str, now: float) -> None:
         """Lift the peer's ban at `now`; its offence count is kept and decays from `now`."""
         ban = self._bans.get(peer_id)
         if ban is not None:
             ban.until = min(ban.until, now)
 
+    @_locked
     def is_banned(self, peer_id: str, now: float) -> bool:
         ban = self._bans.get(peer_id)
         return ban is not None and now < ban.until
 
+    @_locked
     def bans(self, now: float) -> tuple[BanRow, ...]:
         """The bans in force at `now`, sorted by peer id."""
         return tuple(
@@ -353,6 +389,7 @@ class PeerTable:
             if now < ban.until
         )
 
+    @_locked
     def offences(self, peer_id: str, now: float) -> int:
         """The peer's offence count at `now`, after decay (0 for a peer never banned)."""
         ban = self._bans.get(peer_id)

@@ -8,14 +8,16 @@ session another node's route opens here either fits now or is refused at once
 (`try_reserve`: a stage never keeps a remote coordinator waiting, which would look like
 a silent stage). A request larger than the whole budget is refused at once with 413.
 
-The API (asyncio) and the stage service (trio, a guest run on the same loop and thread)
-both use it, so it needs no lock.
+The API (asyncio, the main thread) and the stage service (trio, its own thread) both use
+them: each holds a lock of its own, and a waiter's future is resolved on its loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -146,6 +148,9 @@ class KVBudget:
         self.total = total_tokens
         self.reserved = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        # `reserved` and the queue change together, from the API's thread and the
+        # stage service's.
+        self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
@@ -157,6 +162,10 @@ class KVBudget:
 
     def try_reserve(self, tokens: int) -> bool:
         """Reserve now if it fits and nobody waits ahead; never waits."""
+        with self._lock:
+            return self._take(tokens)
+
+    def _take(self, tokens: int) -> bool:
         if tokens > self.free or self._waiters:
             return False
         self.reserved += tokens
@@ -167,10 +176,11 @@ class KVBudget:
         OverloadedError when the wait passes `timeout_s`."""
         if tokens > self.total:
             raise needs_more_than(tokens, self.total)
-        if self.try_reserve(tokens):
-            return
         waiter = _Waiter(tokens, asyncio.get_running_loop().create_future())
-        self._waiters.append(waiter)
+        with self._lock:
+            if self._take(tokens):
+                return
+            self._waiters.append(waiter)
         granted = False
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout_s)
@@ -182,21 +192,32 @@ class KVBudget:
             ) from None
         finally:
             if not granted:  # timed out or cancelled
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-                    self._grant()  # the ones behind it may fit now
-                else:  # granted just as it gave up: the tokens go back
+                with self._lock:
+                    queued = waiter in self._waiters
+                    if queued:
+                        self._waiters.remove(waiter)
+                        self._grant()  # the ones behind it may fit now
+                if not queued:  # granted just as it gave up: the tokens go back
                     self.release(tokens)
 
     def release(self, tokens: int) -> None:
-        self.reserved = max(0, self.reserved - tokens)
-        self._grant()
+        with self._lock:
+            self.reserved = max(0, self.reserved - tokens)
+            self._grant()
 
     def _grant(self) -> None:
+        """(under the lock) Let in the waiters at the head of the queue that fit now."""
         while self._waiters and self._waiters[0].tokens <= self.free:
             waiter = self._waiters.popleft()
             self.reserved += waiter.tokens
-            waiter.future.set_result(None)
+            # The tokens are the waiter's from here; its loop may be another thread's.
+            with contextlib.suppress(RuntimeError):  # that loop has closed
+                waiter.future.get_loop().call_soon_threadsafe(_resolve, waiter.future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 @dataclass(frozen=True)
@@ -237,10 +258,12 @@ class PeerBudget:
         self.per_peer = max(0, int(node.total * limits.peer_kv_share))
         self.reserved = 0
         self._holds: dict[str, _PeerHold] = {}
+        self._lock = threading.RLock()  # the stage service changes it, the API reads it
 
     @property
     def sessions(self) -> int:
-        return sum(h.sessions for h in self._holds.values())
+        with self._lock:
+            return sum(h.sessions for h in self._holds.values())
 
     @property
     def free(self) -> int:
@@ -251,8 +274,9 @@ class PeerBudget:
 
     def held_by(self, peer_id: str) -> tuple[int, int]:
         """(sessions, tokens) `peer_id` holds here now."""
-        hold = self._holds.get(peer_id, _PeerHold())
-        return hold.sessions, hold.tokens
+        with self._lock:
+            hold = self._holds.get(peer_id, _PeerHold())
+            return hold.sessions, hold.tokens
 
     def never_fits(self, tokens: int) -> str | None:
         """Why a remote session of `tokens` can never be held here, however long it waits."""
@@ -265,6 +289,10 @@ class PeerBudget:
 
     def try_reserve(self, peer_id: str, tokens: int) -> str | None:
         """Reserve now, or say why not (a refusal the coordinator routes around)."""
+        with self._lock:
+            return self._try_reserve(peer_id, tokens)
+
+    def _try_reserve(self, peer_id: str, tokens: int) -> str | None:
         hold = self._holds.get(peer_id, _PeerHold())
         limits = self.limits
         if hold.sessions >= limits.max_peer_sessions:
@@ -288,12 +316,13 @@ class PeerBudget:
         return None
 
     def release(self, peer_id: str, tokens: int) -> None:
-        hold = self._holds.get(peer_id)
-        if hold is None:
-            return
-        hold.sessions -= 1
-        hold.tokens -= tokens
-        if hold.sessions <= 0:
-            del self._holds[peer_id]
-        self.reserved = max(0, self.reserved - tokens)
+        with self._lock:
+            hold = self._holds.get(peer_id)
+            if hold is None:
+                return
+            hold.sessions -= 1
+            hold.tokens -= tokens
+            if hold.sessions <= 0:
+                del self._holds[peer_id]
+            self.reserved = max(0, self.reserved - tokens)
         self.node.release(tokens)

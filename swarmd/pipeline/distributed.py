@@ -336,6 +336,9 @@ class DistributedChain:
         drawn: Sampled | None = None
         ring: Ring | None = None
 
+        # `replied` and `before_each` run in the trio thread (inside `ring.steps`) while
+        # this task waits for it: what they write is the chain's own or locked (the peer
+        # table, the false-report ledger), and `before_each` only reads.
         def replied(reply: wire.TokenReply) -> None:
             nonlocal done, drawn
             self._account(reply)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -167,37 +168,43 @@ class FalseReports:
         self._max_tellers = max_tellers  # a bound on what throwaway peer ids can fill
         self._charged: dict[str, deque[float]] = {}
         self._served: dict[str, float] = {}  # peer -> when it last served a step
+        # `served` runs in the trio thread (a ring's callback), the rest on the API's.
+        self._lock = threading.Lock()
 
     def served(self, peers: Iterable[str], now: float | None = None) -> None:
         """These peers just carried a step of one of this node's sessions."""
         now = time.monotonic() if now is None else now
-        for peer in peers:
-            self._served.pop(peer, None)
-            self._served[peer] = now  # re-inserted: the oldest stays first, to be evicted
-        while len(self._served) > self._max_tellers:
-            self._served.pop(next(iter(self._served)))
+        with self._lock:
+            for peer in peers:
+                self._served.pop(peer, None)
+                self._served[peer] = now  # re-inserted: the oldest stays first, to be evicted
+            while len(self._served) > self._max_tellers:
+                self._served.pop(next(iter(self._served)))
 
     def vouched(self, teller: str, now: float | None = None) -> bool:
         """True when `teller` served a step within the window."""
         now = time.monotonic() if now is None else now
-        when = self._served.get(teller)
+        with self._lock:
+            when = self._served.get(teller)
         return when is not None and when > now - self.window_s
 
     def add(self, teller: str, now: float | None = None) -> bool:
         """Charge `teller` with one false report; True: ban it now."""
         now = time.monotonic() if now is None else now
-        times = self._charged.pop(teller, None) or deque()
-        times.append(now)
-        while times and times[0] <= now - self.window_s:
-            times.popleft()
-        if len(times) >= self.limit:
-            return True  # dropped from the ledger: the ban takes over
-        self._charged[teller] = times  # re-inserted: the most recently charged is newest
-        while len(self._charged) > self._max_tellers:
-            self._charged.pop(next(iter(self._charged)))
-        return False
+        with self._lock:
+            times = self._charged.pop(teller, None) or deque()
+            times.append(now)
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+            if len(times) >= self.limit:
+                return True  # dropped from the ledger: the ban takes over
+            self._charged[teller] = times  # re-inserted: the most recently charged is newest
+            while len(self._charged) > self._max_tellers:
+                self._charged.pop(next(iter(self._charged)))
+            return False
 
     def count(self, teller: str, now: float | None = None) -> int:
         """False reports charged to `teller` within the window."""
         now = time.monotonic() if now is None else now
-        return sum(1 for t in self._charged.get(teller, ()) if t > now - self.window_s)
+        with self._lock:
+            return sum(1 for t in self._charged.get(teller, ()) if t > now - self.window_s)

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
+import threading
 import time
 
 import pytest
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ClientDisconnectedError, KVRoomError, OverloadedError
+from swarmd.net.bridge import TrioBridge
 from swarmd.pipeline.admission import (
     KVBudget,
     PeerBudget,
@@ -20,6 +23,7 @@ from swarmd.pipeline.admission import (
     unless_gone,
 )
 from swarmd.pipeline.distributed import route_capacity
+from tests.threads import switching_often
 
 
 async def test_reservations_wait_in_fifo_order_and_are_given_back() -> None:
@@ -251,3 +255,77 @@ async def test_unless_gone_returns_only_once_its_wait_has_ended_even_when_cancel
     with pytest.raises(asyncio.CancelledError):
         await outer
     assert ended.is_set()
+
+
+async def test_a_release_in_the_trio_thread_lets_a_waiting_api_request_in_at_once() -> None:
+    # The stage service (trio, its own thread) gives back a remote session's room while
+    # a request of this node's API waits for it on the loop.
+    budget = KVBudget(100)
+    peers = PeerBudget(budget, PeerLimits(kv_share=1.0, peer_kv_share=1.0))
+    async with TrioBridge() as bridge:
+
+        async def open_remote() -> str | None:
+            return peers.try_reserve("peer-a", 80)
+
+        async def close_remote() -> None:
+            peers.release("peer-a", 80)
+
+        assert await bridge.run(open_remote) is None
+        waiting = asyncio.create_task(budget.reserve(60, timeout_s=10.0))
+        await asyncio.sleep(0.01)
+        assert budget.waiting == 1 and not waiting.done()
+        started = time.monotonic()
+        # A background task: nothing but the release itself wakes this loop.
+        bridge.start_soon(close_remote)
+        await asyncio.wait_for(waiting, 5.0)
+        assert time.monotonic() - started < 1.0
+        assert budget.reserved == 60 and budget.waiting == 0 and peers.sessions == 0
+
+
+def test_the_budgets_stay_whole_under_both_threads_at_once() -> None:
+    # Remote sessions come and go in another thread (the stage service's) while API
+    # requests wait for room, some giving up as they are let in: every token taken is
+    # given back, once.
+    budget = KVBudget(1_000)
+    peers = PeerBudget(budget, PeerLimits(kv_share=0.5, peer_kv_share=0.5))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def remote_sessions() -> None:
+        pick = random.Random(1)
+        held: list[int] = []
+        try:
+            while not stop.is_set():
+                if held and pick.random() < 0.5:
+                    peers.release("peer-a", held.pop())
+                elif peers.try_reserve("peer-a", tokens := pick.randint(1, 50)) is None:
+                    held.append(tokens)
+        except BaseException as exc:
+            errors.append(exc)
+        for tokens in held:
+            peers.release("peer-a", tokens)
+
+    async def one(pick: random.Random) -> None:
+        tokens = pick.randint(1, 300)
+        with contextlib.suppress(OverloadedError):
+            await budget.reserve(tokens, timeout_s=pick.choice([0.001, 0.01, 0.2]))
+            await asyncio.sleep(pick.random() * 0.002)
+            budget.release(tokens)
+
+    async def api_requests() -> None:
+        pick = random.Random(2)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(one(pick) for _ in range(50)))
+
+    with switching_often():
+        other = threading.Thread(target=remote_sessions)
+        other.start()
+        try:
+            asyncio.run(api_requests())
+        finally:
+            stop.set()
+            other.join()
+    assert errors == []
+    assert budget.reserved == 0 and budget.waiting == 0
+    assert peers.reserved == 0 and peers.sessions == 0

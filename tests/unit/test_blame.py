@@ -40,6 +40,7 @@ from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
 from swarmd.pipeline.room import RoomQueue
 from swarmd.pipeline.route import Route, plan_route
+from tests.threads import in_both_threads
 from tests.unit.test_route import record as route_record
 
 L = 30
@@ -793,3 +794,17 @@ async def _until(predicate: Any, timeout_s: float = 5.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return False
+
+
+def test_a_peer_served_in_the_trio_thread_stays_vouched_for_on_the_loop() -> None:
+    # A ring's callback marks its peers served in the trio thread while the chain asks,
+    # on the loop, whether a teller served: the answer never flickers to "no".
+    ledger = FalseReports()
+    ledger.served(["teller"])
+    answers: set[bool] = set()
+
+    def serve_again(_: int) -> None:
+        ledger.served(["teller", "other"])
+
+    assert in_both_threads(serve_again, lambda: answers.add(ledger.vouched("teller"))) == []
+    assert answers == {True}

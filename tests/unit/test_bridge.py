@@ -1,4 +1,5 @@
-"""TrioBridge: trio as a guest on the asyncio loop, calls both ways, cancellation, stop."""
+"""TrioBridge: trio in a thread of its own beside the asyncio loop, calls both ways,
+cancellation, stop."""
 
 from __future__ import annotations
 
@@ -320,27 +321,68 @@ async def test_calls_outside_the_running_window_raise_internal_error() -> None:
         bridge.start_soon(trio.sleep, 0)
 
 
+def trio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "swarmd-trio"]
+
+
 async def test_stop_is_idempotent_and_ends_the_trio_run() -> None:
     async with TrioBridge() as bridge:
-        # In guest mode the trio run is visible from host code between ticks.
-        assert trio.lowlevel.current_trio_token() is not None
         assert await bridge.run(trio.sleep, 0) is None
+        assert len(trio_threads()) == 1
     assert not bridge.running
+    assert trio_threads() == []  # stop() returns once the trio thread has ended
     await bridge.stop()
     await asyncio.gather(bridge.stop(), bridge.stop())
-    with pytest.raises(RuntimeError):  # done_callback fired: no trio run in this thread
-        trio.lowlevel.current_trio_token()
-    # A trio run still alive here would refuse a second one in the same thread.
     async with TrioBridge() as again:
         assert await again.run(trio.sleep, 0) is None
 
 
-async def test_only_one_bridge_runs_per_thread(bridge: TrioBridge) -> None:
-    second = TrioBridge()
-    with pytest.raises(InternalError, match="cannot start the trio guest run"):
-        await second.start()
-    await second.stop()
+async def test_trio_runs_in_its_own_thread_and_asyncio_in_the_loops(bridge: TrioBridge) -> None:
+    loop_thread = threading.current_thread()
+
+    async def where_trio_runs() -> threading.Thread:
+        await trio.lowlevel.checkpoint()
+        return threading.current_thread()
+
+    async def where_asyncio_runs() -> threading.Thread:
+        await asyncio.sleep(0)
+        return threading.current_thread()
+
+    async def from_trio() -> threading.Thread:
+        return await bridge.to_asyncio(where_asyncio_runs())
+
+    trio_thread = await bridge.run(where_trio_runs)
+    assert trio_thread is not loop_thread and trio_thread.name == "swarmd-trio"
+    assert await bridge.run(from_trio) is loop_thread
+    with pytest.raises(RuntimeError):  # no trio run in the loop's thread
+        trio.lowlevel.current_trio_token()
+
+
+async def test_two_bridges_run_side_by_side(bridge: TrioBridge) -> None:
+    async with TrioBridge() as second:
+        token_one = await bridge.run(_token)
+        token_two = await second.run(_token)
+        assert token_one is not token_two
+        assert len(trio_threads()) == 2
     assert bridge.running
+
+
+async def _token() -> trio.lowlevel.TrioToken:
+    await trio.lowlevel.checkpoint()
+    return trio.lowlevel.current_trio_token()
+
+
+async def test_to_asyncio_from_another_trio_run_is_refused(bridge: TrioBridge) -> None:
+    async with TrioBridge() as other:
+
+        async def asyncio_side() -> int:
+            return 1
+
+        async def call_the_wrong_bridge() -> None:
+            await bridge.to_asyncio(asyncio_side())
+
+        with pytest.raises(InternalError, match="another trio run"):
+            await other.run(call_the_wrong_bridge)
 
 
 async def test_stop_leaves_no_thread_behind() -> None:
@@ -349,12 +391,12 @@ async def test_stop_leaves_no_thread_behind() -> None:
     await bridge.start()
     record = Record()
     bridge.start_soon(sleep_until_cancelled, record)
-    await bridge.run(trio.sleep, 0.05)  # long enough for trio to wait on I/O in a thread
+    await bridge.run(trio.to_thread.run_sync, time.sleep, 0.01)  # trio's own thread cache
     await bridge.stop()
     assert record.events == ["cancelled", "unwound"]
 
-    # The only threads a guest run adds are trio's cached I/O-wait workers: idle once the
-    # run has ended, and gone after trio's 10 s idle timeout (bridge.py explains).
+    # Left after stop: at most trio's cached worker threads, idle, and gone after trio's
+    # 10 s idle timeout.
     added = set(threading.enumerate()) - before
     assert all(t.daemon and t.name.startswith("Trio thread") for t in added), added
     await eventually(lambda: not set(threading.enumerate()) - before, timeout_s=15.0)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import pytest
 
 from swarmd.net.peers import BanPolicy, PeerRow, PeerTable
+from tests.threads import in_both_threads
 
 T0 = 1_700_000_000.0
 
@@ -283,3 +285,19 @@ def test_ban_reasons_are_kept_as_one_safe_line() -> None:
     assert "\n" not in row.reason and "\x1b" not in row.reason
     assert row.reason.startswith("bad?DIAG: forged line ?[31mred")
     assert len(row.reason) <= 201
+
+
+def test_the_table_is_read_whole_while_another_thread_feeds_it() -> None:
+    table = PeerTable(max_peers=1_000_000)
+    now = time.time()
+
+    def write(i: int) -> None:
+        table.record_layer_ms(f"peer-{i}", 1.0, now)
+        table.record_rtt(f"peer-{i}", 5.0, now)
+
+    def read() -> None:
+        table.layer_ms(now)
+        table.snapshot()
+
+    assert in_both_threads(write, read) == []
+    assert len(table) > 0
