@@ -236,13 +236,14 @@ class Node:
 
     async def start(self) -> None:
         logging.getLogger("swarmd").addHandler(self.failures)
-        for held in self.held.values():
-            held.worker.start()
         await self.bridge.start()
         if self.held:
             # The stage service parses and builds hidden states with torch ops in the trio
-            # thread: keep it out of OpenMP like the loop's thread (threads.py says why).
+            # thread: keep it out of OpenMP like the loop's thread (threads.py says why),
+            # before the workers set their own counts (part of what it sets is global).
             await self.bridge.run(_single_threaded)
+        for held in self.held.values():
+            held.worker.start()
         self.bridge.start_soon(self.swarm.run)
         try:
             await asyncio.wait_for(self.bridge.run(self.swarm.wait_ready), SWARM_START_TIMEOUT_S)

@@ -7,6 +7,8 @@
 - `host.py`      `open_host` / `P2PHost`: libp2p with Noise only and yamux
 - `noise_writes.py`, `yamux_tuning.py`  fixes to py-libp2p's Noise and yamux, applied
                  when `host` is imported
+- `quick_locks.py` `QuickLock`: free locks on a frame's path taken without a scheduler
+                 pass (py-libp2p's TCP stream, yamux and net stream; `FrameStream`)
 - `frames.py`    the wire codec (length prefix + msgpack, hard limits), `FrameStream`
 - `rpc.py`       `RpcService` (handler side) and `call` / `call_ping` (caller side)
 - `peers.py`     `PeerTable`: RTT, last seen, failures, bans with growing backoff

@@ -37,6 +37,7 @@ from swarmd.errors import (
     SendTimeoutError,
     StreamClosedError,
 )
+from swarmd.net.quick_locks import QuickLock
 from swarmd.untrusted import check_msgpack_budget
 
 if TYPE_CHECKING:
@@ -309,8 +310,8 @@ class FrameStream:
             max_frame_bytes, max_frame_bytes + FRAME_HEADER_BYTES + READ_CHUNK_BYTES
         )
         self._ready: deque[dict[str, Any]] = deque()
-        self._send_lock = trio.Lock()
-        self._recv_lock = trio.Lock()
+        self._send_lock = QuickLock()  # no scheduler pass when free: a hop's latency
+        self._recv_lock = QuickLock()
         self._recv_ended: str | None = None  # why reading is over (the peer ended it)
         self._broken: str | None = None  # why the whole stream is unusable
         self._closed = False

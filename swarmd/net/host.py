@@ -17,6 +17,8 @@ raw libp2p host as `.libp2p` (for the DHT). libp2p's defaults are changed where 
   (`noise_writes`).
 - yamux returns read credit in batches and builds no debug line per frame unless debug
   logging is on (`yamux_tuning`): two per-frame costs of every hop of a token.
+- a free lock on a frame's path (TCP stream, yamux, net stream) is taken without a trip
+  through trio's scheduler (`quick_locks`): a dozen scheduler passes a frame at each end.
 - limits per peer and in all: libp2p's resource manager (`libp2p.rcmgr`) caps
   connections (per peer and in total) and streams in total. Its per-peer stream limits
   are never consulted by py-libp2p 0.8.1's swarm (`acquire_scoped_stream` has no caller),
@@ -63,7 +65,7 @@ from swarmd.errors import (
     IdentityError,
     SwarmError,
 )
-from swarmd.net import noise_writes, yamux_tuning
+from swarmd.net import noise_writes, quick_locks, yamux_tuning
 from swarmd.net.frames import DEFAULT_MAX_FRAME_BYTES, FrameStream, Traffic
 from swarmd.net.identity import Identity, public_key_from_peer_id
 
@@ -76,6 +78,7 @@ log = logging.getLogger(__name__)
 
 noise_writes.apply()  # py-libp2p tears its Noise stream on a cancelled write
 yamux_tuning.apply()  # a window update per read, a debug line per frame: per-token costs
+quick_locks.apply()  # a scheduler pass for every free lock a frame takes: per-token costs
 
 StreamHandler = Callable[[FrameStream], Awaitable[None]]
 
