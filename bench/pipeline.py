@@ -79,6 +79,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -103,12 +104,15 @@ LINE_TOKENS = 17  # about what one line of the long prompt takes
 
 
 def long_messages(tokens: int) -> list[dict[str, str]]:
-    """A prompt of about `tokens` tokens: a text to summarise, line by line."""
+    """A prompt of about `tokens` tokens: a text to summarise, line by line. Each call's
+    starts with a tag of its own: the same prompt again would be a prefix-cache hit
+    (README, "Prefix reuse") and time next to no prefill."""
     lines = " ".join(
         f"Line {i}: the harbour lights were lit at dusk and the boats came home."
         for i in range(max(1, tokens // LINE_TOKENS))
     )
-    return [{"role": "user", "content": "Summarise this text in one sentence. " + lines}]
+    tag = f"[{uuid.uuid4().hex[:8]}]"
+    return [{"role": "user", "content": f"{tag} Summarise this text in one sentence. {lines}"}]
 
 
 STOP_TIMEOUT_S = 20.0
