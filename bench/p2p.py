@@ -4,7 +4,8 @@ One run measures, on 127.0.0.1:
 
 1. libp2p: the round trip of a 2 KB message (2048 random bytes in a swarmd frame) over
    one open stream between two swarmd hosts (Noise + yamux, built by `open_host`). The
-   echo side runs in a child process (this script with `--serve libp2p`), as nodes do.
+   echo side runs in a child process (this script with `--serve libp2p`), and both ends
+   run trio as a node does: in a thread of its own beside an asyncio loop (`TrioBridge`).
 2. asyncio TCP: the same round trip with 2048 bytes behind a 4-byte length prefix over a
    plain asyncio stream (TCP_NODELAY, asyncio's default), echo server in a child process.
 3. DHT: `Discovery.holders("bench-model")` from a fresh node, in swarms of 5 and of 20
@@ -41,16 +42,17 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from swarmd.dht.discovery import Discovery, open_discovery
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import StreamClosedError
+from swarmd.net.bridge import TrioBridge
 from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
@@ -58,6 +60,7 @@ from swarmd.net.identity import Identity
 ECHO_PROTOCOL = "/swarmd/bench/echo/1"
 MESSAGE_BYTES = 2048
 MODEL_ID = "bench-model"
+T = TypeVar("T")
 NUM_LAYERS = 30
 RECORD_TTL_S = 600.0
 READY_TIMEOUT_S = 30.0  # a child prints its address (libp2p's import alone takes ~1 s)
@@ -127,7 +130,7 @@ def serve_libp2p() -> None:
             announce_ready(host.addrs[0])
             await wait_stdin_closed_trio()
 
-    trio.run(main)
+    run_as_a_node_does(main)
 
 
 def serve_tcp() -> None:
@@ -153,6 +156,17 @@ def serve_tcp() -> None:
             await wait_stdin_closed_asyncio()
 
     asyncio.run(main())
+
+
+def run_as_a_node_does(main: Callable[[], Awaitable[T]]) -> T:
+    """`trio.run(main)`, but with trio where a node has it: in its own thread, beside the
+    asyncio loop of the main thread (swarmd/net/bridge.py)."""
+
+    async def loop() -> T:
+        async with TrioBridge() as bridge:
+            return await bridge.run(main)
+
+    return asyncio.run(loop())
 
 
 def announce_ready(address: str) -> None:
@@ -254,7 +268,7 @@ def libp2p_round_trips(child_addr: str, warmup: int, count: int) -> list[float]:
                             times.append(elapsed)
                     return times
 
-    return trio.run(main)
+    return run_as_a_node_does(main)
 
 
 # --- 2. asyncio TCP round trips ------------------------------------------------------------

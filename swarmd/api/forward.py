@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from swarmd.dht.records import NodeRecord
 from swarmd.errors import ClientDisconnectedError, FrameError, PeerError, SwarmError
+from swarmd.net.bridge import call_on_loop
 from swarmd.pipeline.report import RequestRecord, ms
 from swarmd.transfer.forward import (
     END_FRAME,
@@ -159,8 +159,7 @@ def _start(
 
     def deliver(frame: dict[str, Any]) -> None:
         # Called in the trio thread; the queue is the loop's (FIFO, so frames keep order).
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody reads
-            loop.call_soon_threadsafe(frames.put_nowait, frame)
+        call_on_loop(loop, frames.put_nowait, frame)
 
     async def run() -> None:
         try:

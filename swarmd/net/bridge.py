@@ -15,9 +15,9 @@ Why a thread and not a guest run on the asyncio loop (what swarmd did up to 0.7)
 run waits for I/O in a helper thread and comes back to the loop through
 `call_soon_threadsafe`, so every wake of the network side (a frame arriving, the torch
 worker done) crossed two threads instead of one, and each trio checkpoint cost an asyncio
-loop iteration. Measured on a 2-core box (bench/p2p.py's echo, 2 KB frames): a libp2p
-round trip 0.86-0.93 ms as guest runs against 0.53-0.57 ms with trio in its own thread;
-a stage hop pays that twice (issue 17).
+loop iteration. Measured on a 2-core box (`bench/p2p.py`, 2 KB frames, two runs each): a
+libp2p round trip 0.82 / 1.03 ms as guest runs against 0.53 / 0.78 ms with trio in its
+own thread; a stage hop pays that twice (issue 17).
 
 Rules the bridge keeps:
 
@@ -47,7 +47,7 @@ import trio
 
 from swarmd.errors import InternalError
 
-__all__ = ["TrioBridge"]
+__all__ = ["TrioBridge", "call_on_loop", "resolve_soon"]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,16 @@ T = TypeVar("T")
 THREAD_NAME = "swarmd-trio"
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
-    """Run `fn(*args)` on `loop` from any thread; nothing when the loop has closed (the
-    process is shutting down and nobody waits for it any more)."""
+def call_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Run `fn(*args)` on `loop` from any thread (in call order); nothing when the loop has
+    closed (the process is shutting down and nobody waits for it any more)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+def resolve_soon(future: asyncio.Future[None]) -> None:
+    """Resolve `future` (with None) on its own loop, from any thread; once only."""
+    call_on_loop(future.get_loop(), _resolve, future)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -92,7 +97,7 @@ class _Call(Generic[T]):
             return
         self.settled = True
         self.value, self.error = value, error
-        _on_loop(self.finished.get_loop(), _resolve, self.finished)
+        resolve_soon(self.finished)
 
 
 class TrioBridge:
@@ -240,7 +245,7 @@ class TrioBridge:
             await finished.wait()
         finally:
             if not finished.is_set():  # the trio caller is being cancelled
-                _on_loop(loop, cancel)
+                call_on_loop(loop, cancel)
                 with trio.CancelScope(shield=True):
                     await finished.wait()
                 task = held[0]
@@ -285,7 +290,7 @@ class TrioBridge:
         except BaseException as exc:  # kept for stop() to raise; nothing is retried
             failure = exc
         assert self._loop is not None
-        _on_loop(self._loop, self._on_trio_done, failure)
+        call_on_loop(self._loop, self._on_trio_done, failure)
 
     async def _trio_main(self) -> None:
         """The trio run's main task: hold the root nursery open until cancelled."""
@@ -296,7 +301,7 @@ class TrioBridge:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 assert self._ready is not None  # set by start() before the thread starts
-                _on_loop(self._ready.get_loop(), _resolve, self._ready)
+                resolve_soon(self._ready)
                 try:
                     await trio.sleep_forever()
                 finally:

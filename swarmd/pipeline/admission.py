@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from swarmd.errors import ClientDisconnectedError, KVRoomError, OverloadedError
+from swarmd.net.bridge import resolve_soon
 
 T = TypeVar("T")
 
@@ -210,14 +210,7 @@ class KVBudget:
         while self._waiters and self._waiters[0].tokens <= self.free:
             waiter = self._waiters.popleft()
             self.reserved += waiter.tokens
-            # The tokens are the waiter's from here; its loop may be another thread's.
-            with contextlib.suppress(RuntimeError):  # that loop has closed
-                waiter.future.get_loop().call_soon_threadsafe(_resolve, waiter.future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+            resolve_soon(waiter.future)  # the tokens are its; its loop may be another thread's
 
 
 @dataclass(frozen=True)
