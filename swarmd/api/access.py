@@ -204,9 +204,12 @@ async def body_middleware(request: web.Request, handler: Handler) -> web.StreamR
         limit = node.config.max_body_bytes
         too_large = f"Request body too large: the limit is {limit} bytes"
         declared = request.content_length
-        if declared is not None and declared > limit:  # refused before a byte of it is read
+        if declared is not None and declared > limit:  # refused without waiting for it
+            # What the client sent already is drained (DRAIN_S at most), as for a chunked
+            # body: closing on unread bytes resets the connection, and the reset can
+            # destroy the 413 in the client's buffer before it is read.
             return await _refuse_and_close(
-                request, 413, too_large, "invalid_request_error", "payload_too_large"
+                request, 413, too_large, "invalid_request_error", "payload_too_large", declared
             )
         try:
             # Read here, under a deadline: the handlers' request.json() then finds it read.
