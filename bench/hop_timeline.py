@@ -153,8 +153,11 @@ def request(port: int, model: str, max_tokens: int) -> float:
     return float(reply["swarm"]["timing"]["decode_ms"]) / max(1, tokens - 1)
 
 
-def segments(stamp_files: list[tuple[str, Path]]) -> tuple[dict[str, list[float]], list[float]]:
-    """Every segment's durations (ms) over the tokens, and each token's total."""
+def segments(
+    stamp_files: list[tuple[str, Path]],
+) -> tuple[dict[str, list[float]], list[float], list[float]]:
+    """Every segment's durations (ms) over the tokens, each token's total, and each
+    token's compute (its forwards on every node, whatever stamps fell between)."""
     merged: list[tuple[float, str]] = []
     for who, path in stamp_files:
         for line in path.read_text().splitlines():
@@ -164,12 +167,22 @@ def segments(stamp_files: list[tuple[str, Path]]) -> tuple[dict[str, list[float]
     starts = [i for i, (_, tag) in enumerate(merged) if tag == "A chain.step>"]
     parts: dict[str, list[float]] = {}
     totals: list[float] = []
+    computes: list[float] = []
     for a, b in itertools.pairwise(starts):
         token = merged[a : b + 1]
         for (t0, tag0), (t1, tag1) in itertools.pairwise(token):
             parts.setdefault(f"{tag0} -> {tag1}", []).append((t1 - t0) * 1000)
         totals.append((token[-1][0] - token[0][0]) * 1000)
-    return parts, totals
+        began: dict[str, float] = {}
+        compute = 0.0
+        for t, tag in token:
+            who, what = tag.split(" ", 1)
+            if what == "forward>":
+                began[who] = t
+            elif what == "forward<" and who in began:
+                compute += (t - began.pop(who)) * 1000
+        computes.append(compute)
+    return parts, totals, computes
 
 
 def main() -> None:
@@ -229,19 +242,16 @@ def main() -> None:
     finally:
         for node in nodes:
             node.stop()
-    parts, totals = segments([(who, path) for who, path in stamps.items()])
+    parts, totals, computes = segments([(who, path) for who, path in stamps.items()])
     shutil.rmtree(workdir, ignore_errors=True)
     print(f"ms per token by the replies' own timing: {', '.join(f'{x:.2f}' for x in per_token)}")
     print(f"segments of {len(totals)} tokens, medians (A: coordinator + first stage, B: second):")
     common = {k: v for k, v in parts.items() if len(v) > len(totals) // 2}
-    compute = 0.0
     for name, values in common.items():
-        median = statistics.median(values)
-        if name.endswith("forward<") and "forward>" in name:
-            compute += median
-        print(f"  {median:7.3f} ms  n={len(values):4d}  {name}")
-    token = statistics.median(totals)
-    print(f"RESULT token_ms={token:.2f} compute_ms={compute:.2f} overhead_ms={token - compute:.2f}")
+        print(f"  {statistics.median(values):7.3f} ms  n={len(values):4d}  {name}")
+    token, compute = statistics.median(totals), statistics.median(computes)
+    overhead = statistics.median(t - c for t, c in zip(totals, computes, strict=True))
+    print(f"RESULT token_ms={token:.2f} compute_ms={compute:.2f} overhead_ms={overhead:.2f}")
 
 
 if __name__ == "__main__":
