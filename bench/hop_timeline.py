@@ -13,8 +13,9 @@ process on the machine) into memory:
                  FrameStream.send and FrameStream.recv
 
 After a warm-up, `--requests` greedy requests of `--max-tokens` tokens are timed; then
-the stamps of both nodes are merged, cut into tokens at each `DistributedChain.step`, and
-the median of every segment between two consecutive stamps is printed, e.g.
+the stamps of both nodes are merged, cut into tokens where each token reaches the
+coordinator (`Ring._receive` returns), and the median of every segment between two
+consecutive stamps is printed, e.g.
 
     0.456 ms  A fs.send< -> B fs.recv step
 
@@ -164,7 +165,9 @@ def segments(
             t, tag = line.split(" ", 1)
             merged.append((float(t), f"{who} {tag}"))
     merged.sort()
-    starts = [i for i, (_, tag) in enumerate(merged) if tag == "A chain.step>"]
+    # A token's cycle starts where the coordinator has the last token in hand: the same
+    # point whether the next step is sent from the loop or at once by the ring (FeedBack).
+    starts = [i for i, (_, tag) in enumerate(merged) if tag == "A ring.recv<"]
     parts: dict[str, list[float]] = {}
     totals: list[float] = []
     computes: list[float] = []

@@ -7,7 +7,6 @@ run (in the trio thread), so a stage step never passes through asyncio.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import trio
@@ -19,11 +18,13 @@ from swarmd.model.worker import Job, TorchWorker
 async def run_job(worker: TorchWorker, job: Job, timeout_s: float) -> Any:
     """Run a job from trio and return its result (or raise its error)."""
     token = trio.lowlevel.current_trio_token()
-    tx, rx = trio.open_memory_channel[None](math.inf)
+    # The job wakes its waiter once, when it ends (a memory channel costs more to make and
+    # to wait on: this is on every step of every stage).
+    ended = trio.Event()
 
     def wake() -> None:
         with contextlib.suppress(trio.RunFinishedError):  # the run ended: nobody waits
-            token.run_sync_soon(tx.send_nowait, None)
+            token.run_sync_soon(ended.set)
 
     ticket = worker.submit(job, wake)
     try:
@@ -32,7 +33,7 @@ async def run_job(worker: TorchWorker, job: Job, timeout_s: float) -> Any:
             if left <= 0:
                 raise StepTimeoutError(f"A model step took longer than {timeout_s:g} s")
             with trio.move_on_after(left):
-                await rx.receive()
+                await ended.wait()
     finally:
         ticket.cancel()
     return ticket.outcome()

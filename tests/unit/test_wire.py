@@ -1119,3 +1119,73 @@ def test_tools_beside_a_json_format_need_a_stage_that_takes_an_answer() -> None:
     assert not stage_wire.reads_sampling("0.5.0", either)
     assert stage_wire.reads_sampling("0.5.1", either)
     assert stage_wire.reads_sampling(__version__, either)
+
+
+# --- the plain shape of step and token frames, read at once -------------------------------
+
+_ODD_VALUES: list[Any] = [
+    None, True, False, 0, -1, 1, 2**62, 2**62 + 1, 2**31, -2, 1.5, 0.0, -0.0, 1e9, 1e10,
+    math.nan, math.inf, -math.inf, "step", "tok", "float32", "x", b"", b"\0" * 4, b"\0" * 5,
+    bytearray(4), [], [1.0], [1], [1, 2], [1.0, 2.0], ["a", 2], [1.0] * 65, {}, {"t": "step"},
+    (1, 2),
+]  # fmt: skip
+
+
+def _mutations(frame: dict[str, Any]) -> list[Any]:
+    """`frame` with each field dropped, each set to each odd value, an extra field, and
+    items of its lists changed: what a schema must refuse or read as sent."""
+    out: list[Any] = [frame, [frame], None, {**frame, "extra": 1}, {**frame, 7: 1}]
+    for key in frame:
+        out.append({k: v for k, v in frame.items() if k != key})
+        out += [{**frame, key: odd} for odd in _ODD_VALUES]
+        if isinstance(frame[key], list):
+            for i in range(len(frame[key])):
+                out += [
+                    {**frame, key: [*frame[key][:i], odd, *frame[key][i + 1 :]]}
+                    for odd in _ODD_VALUES
+                ]
+    return out
+
+
+def _plain_frames() -> list[tuple[str, dict[str, Any], Any]]:
+    """(kind, frame as a peer sends it, its schema) for every plain shape."""
+    frames: list[tuple[str, dict[str, Any], Any]] = [
+        ("ids", wire(step_frame(3, True, [5, 6, 7], [1.5, 2.0], 10)), stage_wire.STEP_IDS),
+        ("ids", wire(step_frame(0, False, [], [], 0, alone=True)), stage_wire.STEP_IDS),
+        ("tok", wire(token_frame(4, 17, [1.0, 2.5, 3.0], 99)), stage_wire.TOK),
+        ("tok", wire(token_frame(4, None, [], 0)), stage_wire.TOK),
+    ]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        hidden = torch.ones(1, 2, HIDDEN, dtype=dtype)
+        frames.append(
+            ("hidden", wire(step_frame(9, True, hidden, [0.5], 3)), stage_wire.STEP_HIDDEN)
+        )
+    return frames
+
+
+@pytest.mark.parametrize("kind,frame,schema", _plain_frames())
+def test_the_plain_shape_takes_nothing_its_schema_would_refuse_or_change(
+    kind: str, frame: dict[str, Any], schema: Any
+) -> None:
+    """`plain_step` / `plain_tok` let a frame skip its schema's readers: each must take
+    the frames honest peers send, and any frame it takes must read through the schema
+    unchanged (so skipping the schema changes nothing)."""
+
+    def plain(value: Any) -> bool:
+        if kind == "tok":
+            return stage_wire.plain_tok(value)
+        return stage_wire.plain_step(value, kind == "ids")
+
+    assert plain(frame)
+    taken = 0
+    for mutated in _mutations(frame):
+        if not plain(mutated):
+            continue
+        taken += 1
+        read = schema.read(mutated, MalformedFrameError)  # raises if the schema refuses it
+        assert read.keys() == mutated.keys()
+        for key, value in read.items():
+            sent = mutated[key]
+            assert type(sent) is type(value) or isinstance(value, tuple), key
+            assert (list(value) if isinstance(value, tuple) else value) == sent, key
+    assert taken > 1  # some mutations keep the plain shape (another int, another float)
