@@ -22,6 +22,7 @@ decoder can bind more (e.g. `functools.partial(MalformedFrameError, peer_id=peer
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
@@ -390,9 +391,13 @@ class Schema:
     required: tuple[tuple[str, Reader[Any]], ...]
     optional: tuple[tuple[str, Reader[Any]], ...] = ()
 
-    @property
+    @functools.cached_property
     def keys(self) -> frozenset[str]:
         return frozenset(k for k, _ in (*self.required, *self.optional))
+
+    @functools.cached_property
+    def required_keys(self) -> frozenset[str]:
+        return frozenset(k for k, _ in self.required)
 
     def read(self, value: Any, error: Error) -> dict[str, Any]:
         fields = Fields(value, self.what, error)
@@ -401,7 +406,7 @@ class Schema:
 
     def check_keys(self, frame: dict[str, Any]) -> dict[str, Any]:
         """For builders: `frame` has every required key and no undeclared one."""
-        required = {k for k, _ in self.required}
+        required = self.required_keys
         if not required <= frame.keys() <= self.keys:
             odd = sorted((required - frame.keys()) | (frame.keys() - self.keys))
             raise ValueError(f"{self.what} built with wrong fields: {odd}")

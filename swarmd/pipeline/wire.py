@@ -518,16 +518,21 @@ def step_frame(
     if inputs.dim() == 2:
         ids = inputs[0].to(torch.int32).numpy().tobytes()
         return _build(STEP_IDS, **common, ab=activation_bytes, ids=ids)
-    hidden = inputs[0].contiguous()  # [T, H]
+    # As few torch calls as can be: a stage builds this on every step, in a thread just
+    # woken with cold caches (a forward's output is contiguous already: no copy).
+    if inputs.dim() != 3 or inputs.shape[0] != 1:
+        raise ValueError(f"a step's hidden state is [1, T, H], not {list(inputs.shape)}")
+    hidden = inputs if inputs.is_contiguous() else inputs.contiguous()  # [1, T, H]
     # bfloat16 has no numpy dtype: ship its raw 16-bit words.
     raw = (hidden.view(torch.int16) if hidden.dtype == torch.bfloat16 else hidden).numpy()
     h = raw.tobytes()
+    _, tokens, width = raw.shape
     return _build(
         STEP_HIDDEN,
         **common,
         ab=activation_bytes + len(h),
         dt=dtype_name(hidden.dtype),  # hidden states travel in a compute dtype
-        shape=[int(hidden.shape[0]), int(hidden.shape[1])],
+        shape=[tokens, width],
         h=h,
     )
 
