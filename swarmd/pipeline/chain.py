@@ -22,19 +22,6 @@ class Hop:
     relayed: bool = False  # the node is reached through a circuit relay
 
 
-@dataclass(frozen=True)
-class FeedBack:
-    """When a chain may send the step of a token it drew before its caller asks for it:
-    as the token arrives, unless it ends the reply (one of `stop_ids`, or the reply's
-    `max_tokens`-th). A route of several stages then runs the next step while the caller
-    still handles this token, instead of waiting for a crossing from its thread and back.
-    The caller's next `step` must be that token's (`[token]`, `want_token=True`), or none:
-    a caller that stops there (a stop string, a client gone) just closes the chain."""
-
-    stop_ids: frozenset[int]  # the model's end of sequence
-    max_tokens: int  # the reply draws no more tokens than this
-
-
 def route_kind(chain: StageChain) -> str:
     """What the DIAG line and `x-swarm-route` say: "local" (this node alone),
     "distributed", or "relayed" (a distributed route with a stage behind a relay)."""
@@ -59,13 +46,10 @@ class StageChain(Protocol):
         sampling: SamplingParams,
         prompt: list[int],
         share: str | None = None,
-        feed_back: FeedBack | None = None,
     ) -> int:
         """Open the session; how many leading prompt tokens its caches already hold.
         `share`: the session of another reply to the same prompt, whose caches may be
-        copied instead of prefilling again; `feed_back`: when the chain may send a drawn
-        token's step before it is asked (a chain whose steps cost no crossing between
-        threads may ignore it)."""
+        copied instead of prefilling again."""
         ...
 
     async def step(self, token_ids: list[int], want_token: bool) -> Sampled | None:

@@ -46,7 +46,7 @@ from swarmd.net.loop_errors import first_of
 from swarmd.net.relay import is_circuit
 from swarmd.pipeline import bounds, wire
 from swarmd.pipeline.admission import SessionSlot, needs_more_than
-from swarmd.pipeline.chain import FeedBack, Hop
+from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.kept import KeptConversations, Resume
 from swarmd.pipeline.report import FalseReports
 from swarmd.pipeline.ring import Ring, RingTimeouts
@@ -226,7 +226,6 @@ class DistributedChain:
         # Every step the ring has taken, as it was sent: a failover replays them one by one.
         self._steps: list[list[int]] = []
         self._reply: list[int] = []  # tokens sampled so far
-        self._feed_back: FeedBack | None = None
         self._excluded: set[str] = set()  # left out of this request (not banned)
         self._stage_s: list[float] = [0.0] * len(route.stages)
         self._activation_bytes = 0
@@ -262,11 +261,9 @@ class DistributedChain:
         sampling: SamplingParams,
         prompt: list[int],
         share: str | None = None,
-        feed_back: FeedBack | None = None,
     ) -> int:
         # `share` is a one-node route's: stages of a ring hold no copyable caches (yet).
         self._session_id, self._max_length, self._sampling = session_id, max_length, sampling
-        self._feed_back = feed_back
         self._prompt_length = len(prompt)
         await self._run([], False, _go_on)
         return self._reused  # positions of a kept conversation every stage took over
@@ -369,24 +366,13 @@ class DistributedChain:
                 last = len(steps) - 1
                 todo = [(ids, want_last and i == last, False) for i, ids in enumerate(steps)]
                 window = self._window()
-                ahead = self._step_ahead if want_last else None
-                await self._access.in_trio(
-                    ring.steps, todo[done:], window, before_each, replied, ahead
-                )
+                await self._access.in_trio(ring.steps, todo[done:], window, before_each, replied)
                 return drawn
             except (StageFailedError, BaseExceptionGroup) as caught:
                 exc = first_of(caught, StageFailedError)
                 if exc is None:
                     raise
                 await self._fail_over(exc)
-
-    def _step_ahead(self, reply: wire.TokenReply) -> list[int] | None:
-        """(trio) The step the ring may send as soon as `reply` is in (see `FeedBack`):
-        its token, unless the reply ends with it. Reads only what `replied` wrote."""
-        rule, token = self._feed_back, reply.token
-        if rule is None or token is None or token in rule.stop_ids:
-            return None
-        return [token] if len(self._reply) < rule.max_tokens else None
 
     def _route_rtts(self) -> dict[str, float]:
         rtt = self._access.rtt_ms()

@@ -17,7 +17,7 @@ from swarmd.model.sampling import Sampled, SamplingParams, TokenLogprobs
 from swarmd.model.text import IncrementalDetokenizer, StopMatcher, TextCodec
 from swarmd.pipeline import bounds
 from swarmd.pipeline.admission import unless_gone
-from swarmd.pipeline.chain import FeedBack, StageChain
+from swarmd.pipeline.chain import StageChain
 
 FinishReason = Literal["stop", "length"]
 
@@ -100,10 +100,8 @@ class Generation:
         # The open and the prompt's forwards may take many seconds on a busy route: a
         # client that leaves meanwhile is noticed within GONE_CHECK_S, not at the next
         # chunk, so every stage frees the session at once.
-        # Every drawn token but the last is fed back: the chain may send its step itself.
-        feed_back = FeedBack(self._codec.eos_ids, req.max_tokens)
         opening = self.chain.open(
-            req.request_id, max_length, req.sampling, req.prompt_ids, req.share, feed_back
+            req.request_id, max_length, req.sampling, req.prompt_ids, req.share
         )
         self.cached_tokens = await unless_gone(opening, self._client_gone)
         drawn = await self._prefill()

@@ -10,7 +10,7 @@ from swarmd.errors import InternalError
 from swarmd.model.jobs import CloseJob, OpenJob, StepJob
 from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.model.worker import TorchWorker
-from swarmd.pipeline.chain import FeedBack, Hop
+from swarmd.pipeline.chain import Hop
 
 
 class LocalChain:
@@ -35,10 +35,7 @@ class LocalChain:
         sampling: SamplingParams,
         prompt: list[int],
         share: str | None = None,
-        feed_back: FeedBack | None = None,
     ) -> int:
-        # `feed_back` is for a route whose steps cross threads and links: here a step is
-        # one hand-off to the worker, and its token is back on this loop at once.
         # Set before the await: if the caller times out or leaves while the worker opens
         # it, close() still frees it (an open not started by then is skipped, and one
         # running ends before the close, queued after it, runs).

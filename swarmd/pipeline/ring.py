@@ -106,7 +106,6 @@ class Ring:
         self._n = 0  # steps answered
         self._sent = 0  # steps sent
         self._sent_at: deque[float] = deque()  # when each step in flight went out
-        self._ahead: list[int] | None = None  # the ids of a step sent before it was asked for
         self.round_trip_s = 0.0  # the last answered step's, from its sending to its answer
         self._closed = False
         self.reused = 0  # positions every stage resumed from a kept conversation (open)
@@ -139,10 +138,9 @@ class Ring:
             raise await self._blame_silence(why)
 
     async def step(self, token_ids: list[int], want: bool, alone: bool = False) -> wire.TokenReply:
-        """One step round the ring: its token ids sent (unless sent ahead), its answer back."""
-        answers: list[wire.TokenReply] = []
-        await self.steps([(token_ids, want, alone)], 1, _go_on, answers.append)
-        return answers[0]
+        """One step round the ring: its token ids sent, its answer back."""
+        await self._send_step(token_ids, want, alone)
+        return await self._receive(want)
 
     async def steps(
         self,
@@ -150,36 +148,21 @@ class Ring:
         window: int,
         before_send: Callable[[], None],
         replied: Callable[[wire.TokenReply], None],
-        ahead: Callable[[wire.TokenReply], list[int] | None] | None = None,
     ) -> None:
         """Several steps (a prompt's chunks, a replay) with up to `window` of them in
         flight: while stage k runs step i, stage k + 1 runs step i - 1, so the links'
         latency is paid about once rather than per step. `before_send()` runs before each
         step goes out (it may raise to stop); `replied(answer)` takes each answer, in order.
-        A failure raises as `step` does; the steps answered before it were `replied`.
-
-        `ahead(last answer)`: the token ids of a step to send at once, before the caller
-        asks for it (None: none). The next call must then begin with that step (its ids,
-        want a token, not alone): it is not sent again, only its answer waited for."""
+        A failure raises as `step` does; the steps answered before it were `replied`."""
         sent = answered = 0
-        if self._ahead is not None:
-            if not steps or tuple(steps[0]) != (self._ahead, True, False):
-                raise InternalError("the step sent ahead is not the one asked for")
-            self._ahead, sent = None, 1
-        reply: wire.TokenReply | None = None
         while answered < len(steps):
             while sent < len(steps) and sent - answered < max(1, window):
                 before_send()
                 token_ids, want, alone = steps[sent]
                 await self._send_step(token_ids, want, alone)
                 sent += 1
-            reply = await self._receive(steps[answered][1])
-            replied(reply)
+            replied(await self._receive(steps[answered][1]))
             answered += 1
-        following = None if ahead is None or reply is None else ahead(reply)
-        if following is not None:
-            await self._send_step(following, True, False)
-            self._ahead = following
 
     async def _send_step(self, token_ids: list[int], want: bool, alone: bool) -> None:
         if self._up is None or self._ret is None:
@@ -231,10 +214,6 @@ class Ring:
         if self._closed:
             return
         self._closed = True
-        # A step still out (one sent ahead that the caller did not want, one whose caller
-        # left) is run by the stages before the `end` behind it; the last stage's token for
-        # it finds the return stream closed on this side only, which is no failure there.
-        self._ahead = None
         with trio.CancelScope(shield=True):
             if self._up is not None:
                 with trio.move_on_after(REPORT_TIMEOUT_S):
@@ -367,10 +346,6 @@ class Ring:
             if not await self._answers_ping(hop.peer_id):
                 return hop.peer_id
         return None
-
-
-def _go_on() -> None:
-    pass
 
 
 def refusal_error(fail: wire.Fail) -> RequestError:

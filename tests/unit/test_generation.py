@@ -13,7 +13,7 @@ from swarmd.errors import ClientDisconnectedError
 from swarmd.model.layers import LayerRange
 from swarmd.model.sampling import Sampled, SamplingParams
 from swarmd.model.text import TextCodec
-from swarmd.pipeline.chain import FeedBack, Hop
+from swarmd.pipeline.chain import Hop
 from swarmd.pipeline.generation import Generation, GenerationRequest, Timing
 
 WORDS = " one two three four five six seven eight nine ten"
@@ -34,7 +34,6 @@ class StandInChain:
         self.release = asyncio.Event()
 
     async def open(self, *args: object, **kwargs: object) -> int:
-        self.opened_with = (args, kwargs)
         return 0
 
     async def prefill(self, chunks: list[list[int]], before_each: Callable[[], None]) -> Sampled:
@@ -84,19 +83,6 @@ async def test_the_next_step_runs_while_a_token_text_goes_out(codec: TextCodec) 
     # was started past the last token.
     assert started_at_delta[:3] == [1, 2, 3]
     assert chain.steps_started == len(tokens) - 1
-
-
-async def test_the_chain_may_feed_back_every_token_but_the_reply_s_last(codec: TextCodec) -> None:
-    """What a ring needs to send a token's step before the loop asks (`FeedBack`): the
-    loop asks for exactly that step unless the token ends the reply."""
-    tokens = codec.tokenizer.encode(WORDS, add_special_tokens=False).ids
-    chain = StandInChain(tokens)
-    gen = generation(codec, chain, max_tokens=5)
-    assert "".join([d.text async for d in gen.events()]) == " one two three four five"
-    args, kwargs = chain.opened_with
-    feed_back = kwargs.get("feed_back", args[5] if len(args) > 5 else None)
-    assert feed_back == FeedBack(codec.eos_ids, 5)
-    assert chain.steps_started == 4
 
 
 async def test_a_caller_that_stops_reading_leaves_no_step_running(codec: TextCodec) -> None:
