@@ -165,8 +165,8 @@ def segments(
             t, tag = line.split(" ", 1)
             merged.append((float(t), f"{who} {tag}"))
     merged.sort()
-    # A token's cycle starts where the coordinator has the last token in hand: the same
-    # point whether the next step is sent from the loop or at once by the ring (FeedBack).
+    # A token's cycle starts where the coordinator has the last token in hand: a point
+    # every token passes, whichever thread then sends the next step.
     starts = [i for i, (_, tag) in enumerate(merged) if tag == "A ring.recv<"]
     parts: dict[str, list[float]] = {}
     totals: list[float] = []
