@@ -401,7 +401,7 @@ class Schema:
 
     def read(self, value: Any, error: Error) -> dict[str, Any]:
         fields = Fields(value, self.what, error)
-        fields.exact_keys((k for k, _ in self.required), (k for k, _ in self.optional))
+        fields.exact_keys(self.required_keys, self.keys)
         return {k: fields.read(k, r) for k, r in (*self.required, *self.optional) if k in fields}
 
     def check_keys(self, frame: dict[str, Any]) -> dict[str, Any]:

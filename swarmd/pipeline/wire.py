@@ -333,9 +333,6 @@ def _span(reader: Int | Float) -> tuple[Any, Any]:
     return reader.lo, reader.hi
 
 
-_STEP_IDS_KEYS = STEP_IDS.keys
-_STEP_HIDDEN_KEYS = STEP_HIDDEN.keys
-_TOK_KEYS = frozenset(k for k, _ in TOK.required)
 _COUNTER_LO, _COUNTER_HI = _span(COUNTER)
 _MS_LO, _MS_HI = _span(STAGE_MS_ITEM)
 _TOKEN_ID_LO, _TOKEN_ID_HI = _span(TOKEN_ID)
@@ -356,7 +353,7 @@ def _stage_ms(value: Any) -> bool:
 def plain_step(frame: Any, first: bool) -> bool:
     """Whether `frame` is a step frame (of ids when `first`, else of a hidden state) in
     the plain shape, which `STEP_IDS` / `STEP_HIDDEN` would read unchanged."""
-    if type(frame) is not dict or frame.keys() != (_STEP_IDS_KEYS if first else _STEP_HIDDEN_KEYS):
+    if type(frame) is not dict or frame.keys() != (STEP_IDS if first else STEP_HIDDEN).keys:
         return False
     t = frame["t"]
     if not (
@@ -387,7 +384,7 @@ def plain_step(frame: Any, first: bool) -> bool:
 def plain_tok(frame: Any) -> bool:
     """Whether `frame` is a token frame without logprobs in the plain shape, which `TOK`
     would read unchanged."""
-    if type(frame) is not dict or frame.keys() != _TOK_KEYS:
+    if type(frame) is not dict or frame.keys() != TOK.required_keys:
         return False
     t, token = frame["t"], frame["id"]
     return (

@@ -241,7 +241,11 @@ def open_request(
 
 
 def ring_over(
-    x: StageNode, y: StageNode, split: int = 2, coordinator: StageNode | None = None
+    x: StageNode,
+    y: StageNode,
+    split: int = 2,
+    coordinator: StageNode | None = None,
+    sid: str = "s1",
 ) -> Ring:
     """X runs layers 0:split and Y split:4; the coordinator (default: X) gets the tokens."""
     c = coordinator or x
@@ -249,6 +253,7 @@ def ring_over(
         c.peer_id,
         [(x.peer_id, 0, split), (y.peer_id, split, NUM_LAYERS)],
         {y.peer_id: y.addrs, x.peer_id: x.addrs, c.peer_id: c.addrs},
+        sid,
     )
     return Ring(c.service, request, RING_TIMEOUTS, c.runtime.stage.vocab_size)
 
@@ -259,6 +264,19 @@ async def closing(ring: Ring) -> AsyncIterator[Ring]:
         yield ring
     finally:
         await ring.close()
+
+
+async def first_token(ring: Ring) -> int:
+    """Open `ring` and feed it the whole prompt; the token it draws."""
+    await ring.open()
+    reply = await ring.step(PROMPT, want=True)
+    assert reply.token is not None
+    return reply.token
+
+
+def freed(*nodes: StageNode) -> bool:
+    """No session open on any of `nodes`."""
+    return all(node.runtime.session_count == 0 for node in nodes)
 
 
 def reference_tokens(model: Model, chunks: list[list[int]], decode_steps: int) -> list[int]:
@@ -335,10 +353,7 @@ def test_a_two_host_ring_matches_the_whole_model_and_frees_its_sessions(model: M
                     tokens.append(reply.token)
                 assert tokens == expected
 
-            def freed() -> bool:
-                return x.runtime.session_count == 0 and y.runtime.session_count == 0
-
-            assert await poll(freed, FREED_WITHIN_S)
+            assert await poll(functools.partial(freed, x, y), FREED_WITHIN_S)
             assert x.bans == [] and y.bans == []
 
     run(test)
@@ -355,23 +370,42 @@ def test_a_ring_closed_with_a_step_in_flight_lets_it_finish_without_a_failure(
     """A caller that leaves while a step is out (a client gone mid-step) closes the ring
     at once; the stages run that step, then the `end` behind it, and the last stage's
     token finds its return stream closed on the coordinator's side only: nobody reports
-    a failure, every session is freed, no peer is banned."""
+    a failure, every session is freed, no peer is banned. Another session on the same
+    stages steps on meanwhile and draws what the whole model draws."""
+    decode_steps = 4
+    expected = reference_tokens(model, [PROMPT], decode_steps)
 
     async def test() -> None:
         specs = [((0, 2), STAGE_TIMEOUTS), ((2, 4), STAGE_TIMEOUTS)]
         async with stage_nodes(model, *specs) as (x, y):
-            async with closing(ring_over(x, y)) as ring:
-                await ring.open()
-                reply = await ring.step(PROMPT, want=True)
-                assert reply.token is not None
-                with trio.move_on_after(0):  # sent, and its caller cancelled while it ran
-                    await ring.step([reply.token], want=True)
+            async with (
+                closing(ring_over(x, y)) as ring,
+                closing(ring_over(x, y, sid="s2")) as other,
+            ):
+                token = await first_token(ring)
+                tokens = [await first_token(other)]
+                ran = x.runtime.batches
+                with trio.CancelScope() as caller:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(ring.step, [token], True)
+                        # Out once stage 0 has run it: looked for at every scheduler
+                        # pass (the worker thread counts it; no event to wait on), so
+                        # the caller leaves while Y still has it to run.
+                        with trio.fail_after(5.0):
+                            while x.runtime.batches == ran:
+                                await trio.lowlevel.checkpoint()
+                        caller.cancel()
+                assert caller.cancelled_caught  # it left before the answer came
+                await ring.close()
+                for _ in range(decode_steps):
+                    reply = await other.step([tokens[-1]], want=True)
+                    assert reply.token is not None
+                    tokens.append(reply.token)
+                assert tokens == expected
 
-            def freed() -> bool:
-                return x.runtime.session_count == 0 and y.runtime.session_count == 0
-
-            assert await poll(freed, FREED_WITHIN_S)
-            assert await poll(functools.partial(_forgotten, x, "s1"), FREED_WITHIN_S)
+            assert await poll(functools.partial(freed, x, y), FREED_WITHIN_S)
+            for sid in ("s1", "s2"):
+                assert await poll(functools.partial(_forgotten, x, sid), FREED_WITHIN_S)
             assert x.bans == [] and y.bans == []
         failures = [r.getMessage() for r in caplog.records if "session failed" in r.getMessage()]
         assert failures == []
@@ -407,10 +441,7 @@ def test_an_open_for_layers_a_stage_does_not_hold_is_refused_without_a_ban(
             assert info.value.peer_id == y.peer_id
             assert "2:4" in str(info.value) and "1:4" in str(info.value)
 
-            def freed() -> bool:
-                return x.runtime.session_count == 0 and y.runtime.session_count == 0
-
-            assert await poll(freed, FREED_WITHIN_S)
+            assert await poll(functools.partial(freed, x, y), FREED_WITHIN_S)
             assert y.bans == [] and x.bans == []
 
     run(test)
@@ -505,10 +536,8 @@ def test_a_stage_host_closed_mid_session_fails_the_next_step_as_lost(model: Mode
         specs = [((0, 2), STAGE_TIMEOUTS), ((2, 4), STAGE_TIMEOUTS)]
         async with stage_nodes(model, *specs) as (x, y):
             async with closing(ring_over(x, y)) as ring:
-                await ring.open()
-                reply = await ring.step(PROMPT, want=True)
-                assert reply.token is not None
-                reply = await ring.step([reply.token], want=True)
+                token = await first_token(ring)
+                reply = await ring.step([token], want=True)
                 assert reply.token is not None
 
                 await y.stop()
@@ -535,14 +564,12 @@ def test_a_lost_last_stage_is_blamed_not_the_stage_before_it(model: Model, separ
         async with stage_nodes(model, *specs) as (x, y, c):
             ring = ring_over(x, y, coordinator=c if separate else None)
             async with closing(ring):
-                await ring.open()
-                reply = await ring.step(PROMPT, want=True)
-                assert reply.token is not None
+                token = await first_token(ring)
 
                 await y.stop()
                 assert await poll(lambda: x.runtime.session_count == 0, FREED_WITHIN_S)
                 with pytest.raises(StageFailedError) as info:
-                    await ring.step([reply.token], want=True)
+                    await ring.step([token], want=True)
                 who = {x.peer_id: "X", y.peer_id: "Y", c.peer_id: "C"}.get(info.value.peer_id)
                 assert (who, info.value.kind) == ("Y", "lost"), str(info.value)
 
