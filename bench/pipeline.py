@@ -1,7 +1,7 @@
 """Pipeline benchmark: per-token decode time of one model split over 1, 2 and 3 nodes.
 
-The embedded model (SmolLM2-135M, 30 layers) is served three ways, one after the other,
-every node a `swarmd run` subprocess on 127.0.0.1 with `--torch-threads 1`:
+The embedded model (SmolLM2-135M, 30 layers) is served three ways, all up at once, every
+node a `swarmd run` subprocess on 127.0.0.1 with `--torch-threads 1`:
 
 1. one node holding layers [0:30] (route `local`, no network);
 2. two nodes, [0:15] and [15:30];
@@ -11,7 +11,11 @@ The first node starts a new swarm, the others join with `--bootstrap` its multia
 node is ready once it prints `swarmd: serving ...`, and the swarm once the first node's
 `GET /v1/models` says `swarm.routable` or `swarm.complete`. Requests go to the first node
 (the stage-0 holder, which coordinates): greedy (`temperature: 0`), non-streamed chat
-completions with `--max-tokens` tokens. A warm-up request, then `--runs` timed pairs:
+completions with `--max-tokens` tokens. A warm-up request each, then `--runs` rounds; in
+each, every setup in turn (the order rotated each round) runs one timed pair. A small
+shared machine's speed drifts over minutes by more than a hop costs, and with the setups
+run one after the other that drift went into their differences (the hop figure moved
+1.5-3.0 ms within an hour); within a round it moves all of them alike. A timed pair:
 
 - a prefill probe, the same prompt with `max_tokens: 1`: its `swarm.segments[i].ms` are
   the stages' compute for the prefill alone;
@@ -31,10 +35,12 @@ hand-off and, with more than one node, the activations' and the token's trips ov
 libp2p. (The simpler `ms/token - sum(segments.ms) / T` spreads the prefill over the
 tokens; it is printed too, as `naive`.) The figure of the result:
 
-    hop_overhead_ms = (overhead/token(three) - overhead/token(one)) / 2
+    hop_overhead_ms = median over the rounds of
+                      (overhead/token(three) - overhead/token(one)) / 2
 
-the non-compute time each added node (hop) adds to a token. For reference the script also
-prints `(three_ms - one_ms) / 2`, the raw difference per added node, and the figure per
+the non-compute time each added node (hop) adds to a token (each round's figure is
+printed too). For reference the script also prints the same of the setups' medians,
+`(three_ms - one_ms) / 2`, the raw difference per added node, and the figure per
 network transfer: the route is a ring (stage 0 -> ... -> last stage -> back to the
 coordinator), so a token crosses N links on N >= 2 nodes and none on one node, and
 `(overhead(three) - overhead(one)) / 3` is the cost of one transfer.
@@ -138,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--port-base",
         type=int,
         default=0,
-        help="node i listens on BASE+2i (API) and BASE+2i+1 (p2p); 0 = free ports",
+        help="the setups' nodes take BASE, BASE+1, ... in turn (API, then p2p); 0 = free ports",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=180.0, help="seconds for a node to be ready"
@@ -181,8 +187,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2:
         parser.error("--runs must be >= 1 and --max-tokens >= 2")
-    if args.port_base and not 1024 <= args.port_base <= 65535 - 6:
-        parser.error("--port-base must leave room for 6 ports below 65536")
+    if args.port_base and not 1024 <= args.port_base <= 65535 - 12:
+        parser.error("--port-base must leave room for 12 ports below 65536")
     return args
 
 
@@ -573,94 +579,156 @@ def warm_up(
             time.sleep(0.5)
 
 
-def run_setup(
+@dataclass
+class Setup:
+    """One setup's nodes, up for the whole timed part; `stop()` ends them."""
+
+    result: SetupResult
+    nodes: list[NodeProcess]
+    model_id: str
+    work_dir: Path
+    keep_logs: Path | None
+
+    @property
+    def first(self) -> NodeProcess:
+        return self.nodes[0]
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.nodes]
+
+    def stop(self) -> None:
+        # SIGTERM to every node first, so that none spends its shutdown dialing a peer
+        # that has already gone.
+        for node in self.nodes:
+            node.terminate()
+        for node in self.nodes:
+            node.stop()
+        if self.keep_logs is not None:
+            self.keep_logs.mkdir(parents=True, exist_ok=True)
+            for node in self.nodes:
+                with contextlib.suppress(OSError):
+                    shutil.copy(node.log_path, self.keep_logs / node.log_path.name)
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def start_setup(
     name: str, layers: list[tuple[int, int]], args: argparse.Namespace, ports: list[int]
-) -> SetupResult:
-    result = SetupResult(name, layers)
+) -> Setup:
+    """Start a setup's nodes, wait for its route and answer the warm-up."""
     spec = " ".join(f"[{a}:{b}]" for a, b in layers)
     print(f"\n{name}: {len(layers)} node(s) {spec}", flush=True)
-    nodes: list[NodeProcess] = []
-    with tempfile.TemporaryDirectory(prefix=f"swarmd-pipeline-{name}-") as tmp:
-        try:
-            started = time.monotonic()
-            for i, rng in enumerate(layers):
-                bootstrap = nodes[0].multiaddr if nodes else None
-                node = NodeProcess(
-                    f"{name}{i}",
-                    rng,
-                    (ports[2 * i], ports[2 * i + 1]),
-                    args.cache_dir,
-                    Path(tmp),
-                    bootstrap,
-                )
-                nodes.append(node)
-                node.wait_serving(args.startup_timeout)
-                print(
-                    f"  node {node.name} pid {node.pid} layers {rng[0]}:{rng[1]} serving at "
-                    f"{node.url} after {time.monotonic() - started:.1f} s",
-                    flush=True,
-                )
-            first = nodes[0]
-            model_id = wait_routable(first, nodes, args.swarm_timeout)
-            warm = warm_up(first.url, model_id, args, nodes, time.monotonic() + args.swarm_timeout)
-            check_route(warm, layers)
-            result.ready_s = time.monotonic() - started
+    setup = Setup(
+        SetupResult(name, layers),
+        [],
+        "",
+        Path(tempfile.mkdtemp(prefix=f"swarmd-pipeline-{name}-")),
+        args.keep_logs,
+    )
+    try:
+        started = time.monotonic()
+        for i, rng in enumerate(layers):
+            bootstrap = setup.nodes[0].multiaddr if setup.nodes else None
+            node = NodeProcess(
+                f"{name}{i}",
+                rng,
+                (ports[2 * i], ports[2 * i + 1]),
+                args.cache_dir,
+                setup.work_dir,
+                bootstrap,
+            )
+            setup.nodes.append(node)
+            node.wait_serving(args.startup_timeout)
             print(
-                f"  swarm ready after {result.ready_s:.1f} s; warm-up: route {warm.route} "
-                f"via {','.join(warm.nodes)}, {warm.tokens} tokens, "
-                f"{warm.decode_ms / max(warm.tokens - 1, 1):.2f} ms/token",
+                f"  node {node.name} pid {node.pid} layers {rng[0]}:{rng[1]} serving at "
+                f"{node.url} after {time.monotonic() - started:.1f} s",
                 flush=True,
             )
-            if warm.tokens < args.max_tokens:
-                print(f"  note: the reply stopped at {warm.tokens} tokens ({warm.finish})")
-            pids = [n.pid for n in nodes]
-            before = cpu_sample(pids)
-            time.sleep(1.0)  # one second with no request: what the idle nodes use
-            result.idle_cpu = cpu_between(before, cpu_sample(pids))
+        setup.model_id = wait_routable(setup.first, setup.nodes, args.swarm_timeout)
+        deadline = time.monotonic() + args.swarm_timeout
+        warm = warm_up(setup.first.url, setup.model_id, args, setup.nodes, deadline)
+        check_route(warm, layers)
+        setup.result.ready_s = time.monotonic() - started
+        print(
+            f"  swarm ready after {setup.result.ready_s:.1f} s; warm-up: route {warm.route} "
+            f"via {','.join(warm.nodes)}, {warm.tokens} tokens, "
+            f"{warm.decode_ms / max(warm.tokens - 1, 1):.2f} ms/token",
+            flush=True,
+        )
+        if warm.tokens < args.max_tokens:
+            print(f"  note: the reply stopped at {warm.tokens} tokens ({warm.finish})")
+        before = cpu_sample(setup.pids)
+        time.sleep(1.0)  # one second with no request: what the idle nodes use
+        setup.result.idle_cpu = cpu_between(before, cpu_sample(setup.pids))
+    except BaseException:
+        report_dead(setup)
+        setup.stop()
+        raise
+    return setup
+
+
+def report_dead(setup: Setup) -> None:
+    for node in setup.nodes:
+        if not node.alive():
+            print(f"  node {node.name} exited with rc {node.proc.returncode}")
+
+
+def timed_run(setup: Setup, args: argparse.Namespace) -> RunResult:
+    """A prefill probe, then the timed request; the run is added to the setup's result."""
+    layers, nodes = setup.result.layers, setup.nodes
+    wait_quiet(setup.pids, args.quiet_cores, args.quiet_timeout)
+    probe = chat(setup.first.url, setup.model_id, 1, args.request_timeout, nodes)
+    check_route(probe, layers)
+    before = cpu_sample(setup.pids)
+    reply = chat(setup.first.url, setup.model_id, args.max_tokens, args.request_timeout, nodes)
+    after = cpu_sample(setup.pids)
+    check_route(reply, layers)
+    if reply.tokens < 2:
+        raise BenchError(f"only {reply.tokens} token(s) came back")
+    run = RunResult(reply, probe.compute_ms, cpu_between(before, after), after.wall - before.wall)
+    setup.result.runs.append(run)
+    return run
+
+
+def run_setups(args: argparse.Namespace) -> list[SetupResult]:
+    """Every setup up at once, then `--runs` rounds of one timed run each, in turn (the
+    order rotated each round): the box's speed drifts over minutes, and a drift then
+    moves every setup's figures of a round alike instead of one setup's against the
+    others'."""
+    with contextlib.ExitStack() as stack:
+        setups: list[Setup] = []
+        taken = 0
+        for name, layers in CONFIGS.items():
+            setup = start_setup(name, layers, args, pick_ports(args, 2 * len(layers), taken))
+            taken += 2 * len(layers)
+            stack.callback(setup.stop)
+            setups.append(setup)
+        try:
+            print(f"\n{args.runs} rounds, one timed run of each setup a round", flush=True)
             for i in range(args.runs):
-                wait_quiet(pids, args.quiet_cores, args.quiet_timeout)
-                probe = chat(first.url, model_id, 1, args.request_timeout, nodes)
-                check_route(probe, layers)
-                before = cpu_sample(pids)
-                reply = chat(first.url, model_id, args.max_tokens, args.request_timeout, nodes)
-                after = cpu_sample(pids)
-                check_route(reply, layers)
-                if reply.tokens < 2:
-                    raise BenchError(f"only {reply.tokens} token(s) came back")
-                run = RunResult(
-                    reply, probe.compute_ms, cpu_between(before, after), after.wall - before.wall
-                )
-                result.runs.append(run)
-                print(f"  run {i + 1}: {describe(run, args.quiet_cores)}", flush=True)
-            if name == "one" and args.delays:
+                for setup in setups[i % len(setups) :] + setups[: i % len(setups)]:
+                    run = timed_run(setup, args)
+                    print(
+                        f"  round {i + 1} {setup.result.name}: {describe(run, args.quiet_cores)}",
+                        flush=True,
+                    )
+            one = setups[0]
+            if args.delays:
                 for _ in range(args.runs):  # the yardstick of the links' TTFT below
-                    wait_quiet(pids, args.quiet_cores, args.quiet_timeout)
-                    probe = long_probe(first.url, model_id, args, nodes)
-                    result.long_ttft_ms.append(probe.ttft_ms)
-                    result.long_prompt_tokens = probe.prompt_tokens
+                    wait_quiet(one.pids, args.quiet_cores, args.quiet_timeout)
+                    probe = long_probe(one.first.url, one.model_id, args, one.nodes)
+                    one.result.long_ttft_ms.append(probe.ttft_ms)
+                    one.result.long_prompt_tokens = probe.prompt_tokens
                 print(
-                    f"  a {result.long_prompt_tokens}-token prompt: TTFT "
-                    f"{', '.join(f'{t:.0f}' for t in result.long_ttft_ms)} ms",
+                    f"  one: a {one.result.long_prompt_tokens}-token prompt: TTFT "
+                    f"{', '.join(f'{t:.0f}' for t in one.result.long_ttft_ms)} ms",
                     flush=True,
                 )
         except BaseException:
-            for node in nodes:
-                if not node.alive():
-                    print(f"  node {node.name} exited with rc {node.proc.returncode}")
+            for setup in setups:
+                report_dead(setup)
             raise
-        finally:
-            # SIGTERM to every node first, so that none spends its shutdown dialing a
-            # peer that has already gone.
-            for node in nodes:
-                node.terminate()
-            for node in nodes:
-                node.stop()
-            if args.keep_logs is not None:
-                args.keep_logs.mkdir(parents=True, exist_ok=True)
-                for node in nodes:
-                    with contextlib.suppress(OSError):
-                        shutil.copy(node.log_path, args.keep_logs / node.log_path.name)
-    return result
+        return [s.result for s in setups]
 
 
 def long_probe(
@@ -818,9 +886,21 @@ def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Nam
         )
     ovh = {name: by[name].median("overhead_per_token") for name in CONFIGS}
     ms_tok = {name: by[name].median("ms_per_token") for name in CONFIGS}
-    hop = (ovh["three"] - ovh["one"]) / 2
+    # Each round's own difference: the setups of a round ran within seconds of each other.
+    hops = [
+        (three.overhead_per_token - one.overhead_per_token) / 2
+        for one, three in zip(by["one"].runs, by["three"].runs, strict=True)
+    ]
+    hop = statistics.median(hops)
     print()
-    print(f"hop overhead (overhead(three) - overhead(one)) / 2      = {hop:.2f} ms/token")
+    print(
+        f"hop overhead (overhead(three) - overhead(one)) / 2, median of the rounds = "
+        f"{hop:.2f} ms/token (rounds: {', '.join(f'{h:.2f}' for h in hops)})"
+    )
+    print(
+        f"  the same of the setups' medians                       = "
+        f"{(ovh['three'] - ovh['one']) / 2:.2f} ms/token"
+    )
     print(
         f"  per added node from two: overhead(two) - overhead(one)  = "
         f"{ovh['two'] - ovh['one']:.2f} ms/token"
@@ -866,9 +946,10 @@ def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Nam
     )
 
 
-def pick_ports(args: argparse.Namespace, count: int) -> list[int]:
+def pick_ports(args: argparse.Namespace, count: int, skip: int = 0) -> list[int]:
+    """`count` ports: from `--port-base` past the `skip` ones taken before, else free ones."""
     if args.port_base:
-        return [args.port_base + i for i in range(count)]
+        return [args.port_base + skip + i for i in range(count)]
     ports: list[int] = []
     while len(ports) < count:
         port = free_port()
@@ -900,11 +981,10 @@ def main(argv: list[str] | None = None) -> int:
             "see the CPU lines at the end",
             flush=True,
         )
-    results: list[SetupResult] = []
+    results: list[SetupResult]
     wan: WanResult | None = None
     try:
-        for name, layers in CONFIGS.items():
-            results.append(run_setup(name, layers, args, pick_ports(args, 2 * len(layers))))
+        results = run_setups(args)
         if args.delays:
             wan = run_wan(args, pick_ports(args, 4))
     except BenchError as exc:
