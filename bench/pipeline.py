@@ -39,7 +39,10 @@ tokens; it is printed too, as `naive`.) The figure of the result:
                       (overhead/token(three) - overhead/token(one)) / 2
 
 the non-compute time each added node (hop) adds to a token (each round's figure is
-printed too). For reference the script also prints the same of the setups' medians,
+printed too). `--baseline DIR` (another checkout, e.g. a `git worktree` of an older
+commit) runs that checkout's three setups too, in the same rounds, and prints each
+round's difference between the two: a change to the hop worth a tenth of a millisecond
+is lost in the drift between two runs of the script, not within a round. For reference the script also prints the same of the setups' medians,
 `(three_ms - one_ms) / 2`, the raw difference per added node, and the figure per
 network transfer: the route is a ring (stage 0 -> ... -> last stage -> back to the
 coordinator), so a token crosses N links on N >= 2 nodes and none on one node, and
@@ -66,6 +69,7 @@ The last line is
 
 (one line). Usage: .venv/bin/python bench/pipeline.py [--cache-dir DIR] [--runs N]
 [--max-tokens N] [--delays 0,10,40,100] [--long-prompt-tokens N] [--cold-wait S]
+[--baseline DIR]
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ of this c
 from tests.faultproxy import FaultProxy
 
 NUM_LAYERS = 30
+BASE = "@base"  # the names of the `--baseline` checkout's setups end so
 CONFIGS: dict[str, list[tuple[int, int]]] = {
     "one": [(0, 30)],
     "two": [(0, 15), (15, 30)],
@@ -171,6 +176,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="longest wait for a quiet machine before each timed run (0 = do not wait)",
     )
     parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout (a git worktree of an older commit): its three setups run in "
+        "the same rounds, and the report compares the two round by round",
+    )
+    parser.add_argument(
         "--keep-logs", type=Path, default=None, help="copy the nodes' logs into this folder"
     )
     parser.add_argument(
@@ -187,8 +199,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.runs < 1 or args.max_tokens < 2:
         parser.error("--runs must be >= 1 and --max-tokens >= 2")
-    if args.port_base and not 1024 <= args.port_base <= 65535 - 12:
-        parser.error("--port-base must leave room for 12 ports below 65536")
+    ports = 24 if args.baseline is not None else 12
+    if args.port_base and not 1024 <= args.port_base <= 65535 - ports:
+        parser.error(f"--port-base must leave room for {ports} ports below 65536")
+    if args.baseline is not None and not (args.baseline / "swarmd" / "__main__.py").is_file():
+        parser.error(f"--baseline {args.baseline} is not a swarmd checkout")
     return args
 
 
@@ -269,6 +284,7 @@ class NodeProcess:
         work_dir: Path,
         bootstrap: str | None,
         extra: tuple[str, ...] = (),
+        source: Path | None = None,
     ) -> None:
         self.name = name
         self.layers = layers
@@ -302,6 +318,8 @@ class NodeProcess:
             cmd += ["--bootstrap", bootstrap]
         cmd += extra
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if source is not None:  # another checkout's swarmd (`-m` looks in the cwd first)
+            env["PYTHONPATH"] = str(source)
         self._log: IO[bytes] = self.log_path.open("wb")
         try:
             self.proc: subprocess.Popen[str] = subprocess.Popen(
@@ -311,6 +329,7 @@ class NodeProcess:
                 stderr=self._log,
                 text=True,
                 env=env,
+                cwd=source,
             )
         except OSError:
             self._log.close()
@@ -613,7 +632,11 @@ class Setup:
 
 
 def start_setup(
-    name: str, layers: list[tuple[int, int]], args: argparse.Namespace, ports: list[int]
+    name: str,
+    layers: list[tuple[int, int]],
+    args: argparse.Namespace,
+    ports: list[int],
+    source: Path | None = None,
 ) -> Setup:
     """Start a setup's nodes, wait for its route and answer the warm-up."""
     spec = " ".join(f"[{a}:{b}]" for a, b in layers)
@@ -636,6 +659,7 @@ def start_setup(
                 args.cache_dir,
                 setup.work_dir,
                 bootstrap,
+                source=source,
             )
             setup.nodes.append(node)
             node.wait_serving(args.startup_timeout)
@@ -698,11 +722,16 @@ def run_setups(args: argparse.Namespace) -> list[SetupResult]:
     with contextlib.ExitStack() as stack:
         setups: list[Setup] = []
         taken = 0
-        for name, layers in CONFIGS.items():
-            setup = start_setup(name, layers, args, pick_ports(args, 2 * len(layers), taken))
-            taken += 2 * len(layers)
-            stack.callback(setup.stop)
-            setups.append(setup)
+        sources: list[tuple[str, Path | None]] = [("", None)]
+        if args.baseline is not None:
+            sources.append((BASE, args.baseline.resolve()))
+        for suffix, source in sources:
+            for name, layers in CONFIGS.items():
+                ports = pick_ports(args, 2 * len(layers), taken)
+                setup = start_setup(name + suffix, layers, args, ports, source)
+                stack.callback(setup.stop)
+                setups.append(setup)
+                taken += 2 * len(layers)
         try:
             print(f"\n{args.runs} rounds, one timed run of each setup a round", flush=True)
             for i in range(args.runs):
@@ -886,11 +915,7 @@ def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Nam
         )
     ovh = {name: by[name].median("overhead_per_token") for name in CONFIGS}
     ms_tok = {name: by[name].median("ms_per_token") for name in CONFIGS}
-    # Each round's own difference: the setups of a round ran within seconds of each other.
-    hops = [
-        (three.overhead_per_token - one.overhead_per_token) / 2
-        for one, three in zip(by["one"].runs, by["three"].runs, strict=True)
-    ]
+    hops = round_hops(by)
     hop = statistics.median(hops)
     print()
     print(
@@ -913,6 +938,8 @@ def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Nam
         f"  per network transfer (ring: 3 links on three nodes, 0 on one): "
         f"(overhead(three) - overhead(one)) / 3 = {(ovh['three'] - ovh['one']) / 3:.2f} ms"
     )
+    if args.baseline is not None:
+        compare_baseline(by, hops, args.baseline)
     print()
     print(f"CPU ({os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at the end):")
     for line in contention_notes(results, args.quiet_cores):
@@ -944,6 +971,38 @@ def report(results: list[SetupResult], wan: WanResult | None, args: argparse.Nam
         f"RESULT one_ms={ms_tok['one']:.2f} two_ms={ms_tok['two']:.2f} "
         f"three_ms={ms_tok['three']:.2f} hop_overhead_ms={hop:.2f}{extra}"
     )
+
+
+def round_hops(by: dict[str, SetupResult], suffix: str = "") -> list[float]:
+    """Each round's own hop overhead: its setups ran within seconds of each other."""
+    ones, threes = by["one" + suffix].runs, by["three" + suffix].runs
+    return [
+        (three.overhead_per_token - one.overhead_per_token) / 2
+        for one, three in zip(ones, threes, strict=True)
+    ]
+
+
+def compare_baseline(by: dict[str, SetupResult], hops: list[float], baseline: Path) -> None:
+    """This checkout against `--baseline`, round by round (the same rounds ran both)."""
+    base_hops = round_hops(by, BASE)
+    diffs = [h - b for h, b in zip(hops, base_hops, strict=True)]
+    print()
+    print(f"against the baseline {baseline} (this checkout - baseline, each round's own):")
+    print(
+        f"  hop overhead: baseline {statistics.median(base_hops):.2f} ms/token; difference "
+        f"median {statistics.median(diffs):+.2f} (rounds: {', '.join(f'{d:+.2f}' for d in diffs)})"
+    )
+    for name in CONFIGS:
+        runs = zip(by[name].runs, by[name + BASE].runs, strict=True)
+        pairs = [
+            (a.overhead_per_token - b.overhead_per_token, a.ms_per_token - b.ms_per_token)
+            for a, b in runs
+        ]
+        print(
+            f"  {name:<6} overhead/token {statistics.median(p[0] for p in pairs):+.2f} ms, "
+            f"ms/token {statistics.median(p[1] for p in pairs):+.2f} ms "
+            f"(overhead rounds: {', '.join(f'{p[0]:+.2f}' for p in pairs)})"
+        )
 
 
 def pick_ports(args: argparse.Namespace, count: int, skip: int = 0) -> list[int]:
