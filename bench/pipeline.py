@@ -41,8 +41,10 @@ tokens; it is printed too, as `naive`.) The figure of the result:
 the non-compute time each added node (hop) adds to a token (each round's figure is
 printed too). `--baseline DIR` (another checkout, e.g. a `git worktree` of an older
 commit) runs that checkout's three setups too, in the same rounds, and prints each
-round's difference between the two: a change to the hop worth a tenth of a millisecond
-is lost in the drift between two runs of the script, not within a round. For reference the script also prints the same of the setups' medians,
+round's difference between the two, and their median. On the 2-core box a round's
+difference still moves by up to 1 ms either way (an A/A run, the same code both sides:
+rounds -1.07 to +1.43, a median of 5 rounds -0.32), so a change of a few tenths needs
+tens of rounds. For reference the script also prints the same of the setups' medians,
 `(three_ms - one_ms) / 2`, the raw difference per added node, and the figure per
 network transfer: the route is a ring (stage 0 -> ... -> last stage -> back to the
 coordinator), so a token crosses N links on N >= 2 nodes and none on one node, and

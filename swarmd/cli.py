@@ -290,6 +290,11 @@ def peers(url: Url = DEFAULT_URL, token: Token = None) -> None:
     console.print(table)
     for ban in report["bans"]:
         console.print(f"banned {ban['peer_id']}: {ban['reason']} ({ban['remaining_s']:.0f} s left)")
+    for out in report.get("sitting_out", []):  # an older node reports none
+        console.print(
+            f"sitting out (lost) {out['peer_id']}: {out['reason']} "
+            f"({out['remaining_s']:.0f} s left)"
+        )
 
 
 @app.command()

@@ -186,17 +186,17 @@ class NoRouteError(UnavailableError):
         retry_after_s: int = 10,
         avoided: int = 0,
     ) -> None:
-        """`avoided`: holders of the missing layers this node may not use now (banned, or
-        left out of this request), which the message names: they are served, only not
-        for this node."""
+        """`avoided`: holders of the missing layers this node may not use now (banned,
+        sitting out after a loss and not answering, or left out of this request), which
+        the message names: they are served, only not for this node."""
         self.model = model
         self.missing = missing
         ranges = ", ".join(f"[{a}:{b})" for a, b in missing)
         why = f"No route for model '{model}': layers {ranges} are not served"
         if avoided:
             why += (
-                f" by a peer this node may use now ({avoided} holder(s) banned here or left"
-                " out of this request; see `swarmd peers`)"
+                f" by a peer this node may use now ({avoided} holder(s) banned here, lost"
+                " and not answering, or left out of this request; see `swarmd peers`)"
             )
         super().__init__(why, retry_after_s)
 

@@ -332,6 +332,7 @@ class Node:
             bytes_received=lambda: host_traffic("received"),
             records_rejected=lambda: self.swarm.rejected_records(),
             peers_banned=lambda: len(self.banned()),
+            peers_sitting_out=lambda: len(self.sitting_out()),
             file_bytes_served=lambda: self.file_servers.bytes_sent if self.file_servers else 0,
             kv_budget_tokens=total(lambda h: h.kv_budget.total),
             kv_reserved_tokens=total(lambda h: h.kv_budget.reserved),
@@ -479,6 +480,10 @@ class Node:
     def bans(self, now: float) -> tuple[BanRow, ...]:
         return self.swarm.peers.bans(now)
 
+    def outs(self, now: float) -> tuple[BanRow, ...]:
+        """The lost peers sitting out of routes (`PeerTable.lose`)."""
+        return self.swarm.peers.outs(now)
+
     def listen_addrs(self) -> list[str]:
         """Where peers reach this node: its announced addresses, else where it listens."""
         return list(self.swarm.announced)
@@ -508,8 +513,21 @@ class Node:
     def banned(self) -> set[str]:
         return {row.peer_id for row in self.swarm.peers.bans(time.time())}
 
+    def sitting_out(self) -> set[str]:
+        return {row.peer_id for row in self.swarm.peers.outs(time.time())}
+
+    def avoided(self) -> set[str]:
+        """Peers routes leave out now: banned, or lost lately."""
+        return self.banned() | self.sitting_out()
+
+    async def answering(self, peer_ids: set[str]) -> set[str]:
+        return await self.bridge.run(self.swarm.answering, peer_ids)
+
     async def ban(self, peer_id: str, reason: str) -> None:
         await self.bridge.run(self.swarm.ban, peer_id, reason)
+
+    async def lose(self, peer_id: str, reason: str) -> None:
+        await self.bridge.run(self.swarm.lose, peer_id, reason)
 
     async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return await self.bridge.run(fn, *args)

@@ -217,7 +217,19 @@ async def peers(request: web.Request) -> web.Response:
         {"peer_id": b.peer_id, "reason": b.reason, "remaining_s": round(b.remaining_s, 1)}
         for b in node.bans(now)
     ]
-    body = {"peer_id": node.identity.peer_id, "peers": rows, "bans": bans, "records": records}
+    # Lost peers (a stage that went silent or whose link broke) sit out of routes for a
+    # while; unlike the banned they may connect and use this node meanwhile.
+    outs = [
+        {"peer_id": o.peer_id, "reason": o.reason, "remaining_s": round(o.remaining_s, 1)}
+        for o in node.outs(now)
+    ]
+    body = {
+        "peer_id": node.identity.peer_id,
+        "peers": rows,
+        "bans": bans,
+        "sitting_out": outs,
+        "records": records,
+    }
     return web.json_response(body)
 
 

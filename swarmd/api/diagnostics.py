@@ -113,6 +113,11 @@ def _ranges(node: Node, holders: list[NodeRecord]) -> dict[str, ModelRanges]:
     return out
 
 
+def _sitting_out(node: Node) -> str:
+    outs = node.outs(time.time())
+    return f", {len(outs)} lost and sitting out" if outs else ""
+
+
 def _section_summary(
     node: Node,
     holders: list[NodeRecord],
@@ -130,10 +135,12 @@ def _section_summary(
         lines.append(
             f"swarm     {len(held.by_peer)} holder(s) of {model_id}: {cover}; "
             f"{len(connected)} peer(s) connected, {len(banned)} banned"
+            f"{_sitting_out(node)}"
         )
     if not ranges:
         lines.append(
             f"swarm     no model found; {len(connected)} peer(s) connected, {len(banned)} banned"
+            f"{_sitting_out(node)}"
         )
     if recent:
         r = recent[-1]
@@ -254,6 +261,11 @@ def _section_peers(
         lines.append(f"banned {ban.peer_id[-8:]} for {ban.remaining_s:.0f} s more: {ban.reason}")
     if not bans:
         lines.append("bans: none")
+    for out in node.outs(now):
+        lines.append(
+            f"sitting out {out.peer_id[-8:]} for {out.remaining_s:.0f} s more (lost, not "
+            f"banned; asked again when no route does without it): {out.reason}"
+        )
     refused = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()) if k != "accepted")
     lines.append(
         f"DHT records: {rejected.get('accepted', 0)} accepted, refused: {refused or 'none'}"

@@ -9,7 +9,7 @@ Names (all `swarmd_`): requests_total{outcome}, prompt_tokens_total,
 generated_tokens_total, ttft_seconds, inter_token_seconds, failovers_total,
 stage_forward_seconds, peers_connected, kv_cache_tokens, sessions, in_flight_requests,
 bytes_sent_total{protocol}, bytes_received_total{protocol}, records_rejected_total{reason},
-peers_banned, file_bytes_served_total, background_errors_total{loop},
+peers_banned, peers_sitting_out, file_bytes_served_total, background_errors_total{loop},
 swarm_joining, reachability{state}, info{version,peer_id,model}.
 """
 
@@ -43,6 +43,7 @@ class NodeState:
     bytes_received: Callable[[], dict[str, int]]
     records_rejected: Callable[[], dict[str, int]]
     peers_banned: Callable[[], int]
+    peers_sitting_out: Callable[[], int] = field(default=lambda: 0)
     file_bytes_served: Callable[[], int] = field(default=lambda: 0)
     kv_budget_tokens: Callable[[], int] = field(default=lambda: 0)
     kv_reserved_tokens: Callable[[], int] = field(default=lambda: 0)
@@ -125,6 +126,11 @@ class _StateCollector(Collector):
             "swarmd_in_flight_requests", "Requests this node is coordinating", s.in_flight()
         )
         yield _gauge("swarmd_peers_banned", "Peers banned right now", s.peers_banned())
+        yield _gauge(
+            "swarmd_peers_sitting_out",
+            "Peers lost lately, left out of routes while others serve",
+            s.peers_sitting_out(),
+        )
         yield _gauge(
             "swarmd_kv_budget_tokens",
             "KV cache tokens this node holds in all",

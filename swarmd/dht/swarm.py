@@ -51,6 +51,9 @@ NOTICE = {"notice": True}
 
 WITHDRAW_TIMEOUT_S = 5.0  # the last announcement at shutdown
 PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
+# A lost holder asked whether it is back (no route without it) answers within this.
+LOST_PING_TIMEOUT_S = 2.0
+LOST_ASKED_MAX = 16  # lost holders asked at once
 JOIN_CHECK_S = 5.0  # how often a joined node checks it still has peers (and notes them)
 JOIN_RETRY_MIN_S = 1.0  # the first retry of unreachable bootstrap peers ...
 JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met within it
@@ -296,8 +299,25 @@ class SwarmPresence:
             return
         addr = remote_ip(self._host, peer_id) if self._host is not None else None
         until = self.peers.ban(peer_id, reason, now, addr=addr)
+        await self._cut_off(peer_id, "banned", until, reason)
+
+    async def lose(self, peer_id: str, reason: str) -> None:
+        """A stage of a route was lost (silent, or its connection broke): the peer sits
+        out of routes for a while (`PeerTable.lose`), banned from nothing. Its connection,
+        likely dead, is closed, so that the next contact dials afresh; it may dial back
+        at once. Like `ban`, once per incident however many sessions report it."""
+        now = time.time()
+        self.peers.record_failure(peer_id)
+        if any(row.peer_id == peer_id for row in self.peers.outs(now)):
+            return
+        until = self.peers.lose(peer_id, reason, now)
+        await self._cut_off(peer_id, "sits out", until, reason)
+
+    async def _cut_off(self, peer_id: str, what: str, until: float, reason: str) -> None:
+        """Say so, replan around it, and close its connection."""
         log.warning(
-            "DIAG: peer banned peer=%s for_s=%.0f reason=%s",
+            "DIAG: peer %s peer=%s for_s=%.0f reason=%s",
+            what,
             safe_text(peer_id[-8:]),
             until - time.time(),
             safe_text(reason),
@@ -305,6 +325,33 @@ class SwarmPresence:
         self.view.refresh_soon()  # a route may need another holder of its range now
         if self._host is not None:
             await self._host.disconnect(peer_id)
+
+    async def answering(self, peer_ids: set[str]) -> set[str]:
+        """Of these lost peers, those that answer a ping now (all asked at once, each
+        within LOST_PING_TIMEOUT_S): their sit-out ends (`PeerTable.back`)."""
+        back: set[str] = set()
+        host = self._host
+        if host is None:
+            return back
+
+        async def ask(peer_id: str) -> None:
+            answered = False
+            try:
+                await call_ping(host, peer_id, LOST_PING_TIMEOUT_S, rounds=1)
+                answered = True
+            except* PeerError:  # bare, or inside a group from trio's nurseries
+                pass
+            if answered:
+                back.add(peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in sorted(peer_ids)[:LOST_ASKED_MAX]:
+                nursery.start_soon(ask, peer_id)
+        now = time.time()
+        for peer_id in sorted(back):
+            self.peers.back(peer_id, now)
+            log.warning("DIAG: peer back peer=%s: lost, it answers again", peer_id[-8:])
+        return back
 
     async def announce_now(self) -> None:
         """Renew the records at once (e.g. once the API address is known)."""

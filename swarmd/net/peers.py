@@ -38,6 +38,14 @@ offences), of those the newest. So fresh peer ids banned by the thousand (they c
 attacker nothing) displace one another, never a ban that was there before them or a
 repeat offender's.
 
+A peer that was only lost (a stage that went silent or whose connection broke: a crash,
+a network that dropped for a while) is not banned: it *sits out* (`lose`). Routes leave
+it out for the same growing, decaying periods as a ban, but it may connect and use this
+node's protocols meanwhile, its address takes no offence, and `back` ends its period
+early once it answers again (route planning asks a sitting-out holder when no route
+exists without it). Nothing it did was wrong: a home network's outage must not cost a
+node an hour's exclusion, nor its housemates their address.
+
 Peer ids are free, so bans also count against the address a peer came from (`ban(...,
 addr=IP)`): every peer banned from one address is one offence of that address (with
 the same decay), and from the second offence on the address itself is banned until the
@@ -195,6 +203,7 @@ class PeerTable:
         self._peers: dict[str, _Peer] = {}
         self._bans: dict[str, _Ban] = {}
         self._addr_bans: dict[str, _Ban] = {}  # by IP: offences, and until when banned
+        self._outs: dict[str, _Ban] = {}  # lost peers: losses, and until when they sit out
         # The trio thread feeds it, the API's thread reads it (route planning, diagnostics).
         self._lock = threading.RLock()
 
@@ -361,6 +370,41 @@ class PeerTable:
         key = _bannable_address(addr)
         entry = self._addr_bans.get(key) if key is not None else None
         return entry is not None and now < entry.until
+
+    # --- lost peers sitting out -------------------------------------------------------
+
+    @_locked
+    def lose(self, peer_id: str, reason: str, now: float) -> float:
+        """The peer was lost at `now` (silent, or its connection broke): it sits out of
+        routes for a period that grows and decays as a ban does; returns its end. A loss
+        while it sits out already is the same incident, reported again."""
+        reason = safe_text(reason)
+        out = self._outs.get(peer_id)
+        if out is not None and now < out.until:
+            return out.until
+        losses = (self._offences_now(out, now) if out is not None else 0) + 1
+        if out is None:
+            self._prune(self._outs, now)
+        until = now + self._length(losses)
+        self._outs[peer_id] = _Ban(losses, reason, until, now)
+        return until
+
+    @_locked
+    def back(self, peer_id: str, now: float) -> None:
+        """The lost peer answered again: its period ends at `now` (its losses still count,
+        so a peer lost again soon sits out longer)."""
+        out = self._outs.get(peer_id)
+        if out is not None:
+            out.until = min(out.until, now)
+
+    @_locked
+    def outs(self, now: float) -> tuple[BanRow, ...]:
+        """The lost peers sitting out at `now`, sorted by peer id."""
+        return tuple(
+            BanRow(pid, out.reason, out.until, out.until - now, out.offences)
+            for pid, out in sorted(self._outs.items())
+            if now < out.until
+        )
 
     @_locked
     def unban(self, peer_id: str, now: float) -> None:

@@ -211,7 +211,8 @@ class Coordinator:
             return held.local_chain(hop, self._limits.step_timeout_s)
         settings = self.settings_for(model)
         route, records = await plan(self.swarm, settings, need_tokens, sampling)
-        taken = self.kept.take(model.model_id, prompt, records, self.swarm.banned(), route)
+        avoid = self.swarm.banned() | self.swarm.sitting_out()
+        taken = self.kept.take(model.model_id, prompt, records, avoid, route)
         resume = None
         if taken is not None:
             route, resume = taken

@@ -82,9 +82,20 @@ class SwarmAccess(Protocol):
 
     def banned(self) -> set[str]: ...
 
+    def sitting_out(self) -> set[str]:
+        """Peers lost lately (`SwarmPresence.lose`): routes leave them out while others
+        can serve."""
+        ...
+
+    async def answering(self, peer_ids: set[str]) -> set[str]:
+        """Of these sitting-out peers, those that answer a ping now (their period ends)."""
+        ...
+
     def listen_addrs(self) -> list[str]: ...
 
     async def ban(self, peer_id: str, reason: str) -> None: ...
+
+    async def lose(self, peer_id: str, reason: str) -> None: ...
 
     async def in_trio(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
 
@@ -110,14 +121,39 @@ async def plan(
     stage without room declines, which the chain waits out (`DistributedChain`).
     """
     records = await holders_for(access, settings.model_id, sampling)
-    holds = route_capacity(records, settings.num_layers, access.banned())
+    banned = access.banned()
+    # A holder lost lately is counted on here: if no route does without it, it is asked.
+    holds = route_capacity(records, settings.num_layers, banned)
     if holds is not None and need_tokens > holds:
         raise needs_more_than(need_tokens, holds)
+    out = access.sitting_out() - banned
     try:
-        route = _plan(access, settings, records, access.banned(), need_tokens)
+        return _plan_any_room(access, settings, records, banned | out, need_tokens), records
     except NoRouteError:
-        route = _plan(access, settings, records, access.banned(), need_tokens, ignore_room=True)
-    return route, records
+        # Only a lost holder has those layers: one that answers again is back (a home
+        # network that dropped for a minute must not cost its layers a longer outage).
+        asked = {r.peer_id for r in records if r.peer_id in out}
+        back = await access.answering(asked) if asked else set()
+        if not back:
+            raise
+        log.info("lost holder(s) %s answer again: routed", ",".join(p[-8:] for p in back))
+        return _plan_any_room(
+            access, settings, records, banned | (out - back), need_tokens
+        ), records
+
+
+def _plan_any_room(
+    access: SwarmAccess,
+    settings: ChainSettings,
+    records: list[NodeRecord],
+    banned: set[str],
+    need_tokens: int,
+) -> Route:
+    """The best route over holders with room now, else over those that could take it."""
+    try:
+        return _plan(access, settings, records, banned, need_tokens)
+    except NoRouteError:
+        return _plan(access, settings, records, banned, need_tokens, ignore_room=True)
 
 
 def _plan(
@@ -603,7 +639,8 @@ class DistributedChain:
     def _replan(self, peer: str | None, ignore_room: bool = False) -> Route:
         """The route with `peer`'s stage replaced (None: planned afresh), avoiding every
         banned or left-out peer, and those that had no room at the last try."""
-        banned = self._access.banned() | self._excluded | self._declined
+        banned = self._access.banned() | self._access.sitting_out()
+        banned |= self._excluded | self._declined
         records, need = self._records, self._need_tokens
         if ignore_room:
             records, need = [r for r in records if r.kv_budget_tokens >= need], 0
@@ -647,6 +684,8 @@ class DistributedChain:
                 self._excluded.add(peer)
         elif peer is not None and exc.kind in ("declined", "busy"):
             self._excluded.add(peer)
+        elif peer is not None and exc.kind == "lost":  # silent or gone: nothing it sent
+            await self._access.lose(peer, f"stage failed (lost): {exc}")
         elif peer is not None:
             await self._access.ban(peer, f"stage failed ({exc.kind}): {exc}")
         return peer is not None

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from swarmd.net.identity import load_or_create_identity
-from tests.conftest import NodeProcess, running_node, start_node, wait_until
+from tests.conftest import NodeProcess, http_json, running_node, start_node, wait_until
 from tests.e2e.test_pipeline import LONG_PROMPT, Stream, Swarm, chat_body, complete
 from tests.faultproxy import FaultProxy
 
@@ -335,6 +335,9 @@ def test_a_stage_cut_off_mid_stream_fails_over_to_its_standby_with_the_same_text
 def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
     tiny_wan: ProxiedSwarm, tiny_reference: NodeProcess
 ) -> None:
+    """And once the link heals, the next request goes through that stage again: a lost
+    stage sits out of routes only while another holder can serve (it is not banned), so
+    a home network that dropped for a minute costs its layers no longer outage."""
     tiny_wan.start("a", "0:2")
     tiny_wan.start("b", "2:4")
     tiny_wan.wait_routable("a", 2)
@@ -351,6 +354,28 @@ def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
     assert stream.done, "no [DONE] after the error"
     assert len(stream.errors) == 1 and "2:4" in stream.errors[0]["message"], stream.errors
     assert took < 60.0, took  # the step timeout; the stall check answers well before it
+    a, b = tiny_wan["a"].node, tiny_wan["b"]
+    peers = a.get_json("/api/peers")
+    assert peers["bans"] == []  # type: ignore[index]
+    assert [o["peer_id"] for o in peers["sitting_out"]] == [b.peer_id]  # type: ignore[index]
+    body = {**stream_body(tiny_reference, 12), "stream": False}
+    expected = complete(tiny_reference, body)[0]["choices"][0]["message"]["content"]
+    healed = time.monotonic()
+    served: list[dict[str, Any]] = []
+
+    def served_again() -> bool:
+        status, reply, headers = http_json(f"{a.url}/v1/chat/completions", body, timeout_s=60)
+        assert status in (200, 503), reply  # 503: the layers are missing, said so
+        if status == 200:
+            served.append({k.lower(): v for k, v in headers.items()})
+        return bool(served)
+
+    assert wait_until(served_again, 20.0, 1.0), "the healed stage was never routed again"
+    assert served[0]["x-swarm-nodes"].split(",")[1] == short(b)
+    assert complete(a, body)[0]["choices"][0]["message"]["content"] == expected
+    assert time.monotonic() - healed < 20.0
+    log = a.log_text()
+    assert f"DIAG: peer back peer={short(b)}" in log and "DIAG: peer banned" not in log
 
 
 # --- nodes that take no inbound connection, reached through a relay -------------------

@@ -69,7 +69,8 @@ RECORDS = [
 
 
 class FakeSwarm:
-    """The node as a chain sees it, with bans recorded; trio calls run inline."""
+    """The node as a chain sees it, with bans and losses recorded (the lost peers in
+    `answers` answer a ping); trio calls run inline."""
 
     peer_id = COORD
     stage_service: Any = None
@@ -77,6 +78,9 @@ class FakeSwarm:
     def __init__(self, records: list[NodeRecord] = RECORDS) -> None:
         self.records = records
         self.bans: list[tuple[str, str]] = []
+        self.losses: list[tuple[str, str]] = []
+        self.answers: set[str] = set()
+        self.asked: list[set[str]] = []
         self.measurements: dict[str, float] = {}
         self.rtt: dict[str, float] = {}
 
@@ -95,11 +99,23 @@ class FakeSwarm:
     def banned(self) -> set[str]:
         return {peer for peer, _ in self.bans}
 
+    def sitting_out(self) -> set[str]:
+        return {peer for peer, _ in self.losses}
+
+    async def answering(self, peer_ids: set[str]) -> set[str]:
+        self.asked.append(set(peer_ids))
+        back = peer_ids & self.answers
+        self.losses = [(p, why) for p, why in self.losses if p not in back]
+        return back
+
     def listen_addrs(self) -> list[str]:
         return []
 
     async def ban(self, peer_id: str, reason: str) -> None:
         self.bans.append((peer_id, reason))
+
+    async def lose(self, peer_id: str, reason: str) -> None:
+        self.losses.append((peer_id, reason))
 
     async def in_trio(self, fn: Any, *args: Any) -> Any:
         return await fn(*args)
@@ -490,7 +506,7 @@ def test_a_request_whose_other_holder_is_lost_waits_for_the_busy_one() -> None:
         assert chain.route.peers == (LIAR, HONEST2, LAST)
         await chain._fail_over(StageFailedError("connection lost", HONEST2, "lost"))
         assert chain.route.peers == (LIAR, HONEST, LAST)  # the busy holder, asked again
-        assert (chain.failovers, swarm.banned()) == (1, {HONEST2})
+        assert (chain.failovers, swarm.sitting_out(), swarm.bans) == (1, {HONEST2}, [])
         waits = asyncio.ensure_future(
             chain._fail_over(StageFailedError("no KV room", HONEST, "busy"))
         )
@@ -545,6 +561,68 @@ def test_a_lost_stage_whose_range_nobody_else_holds_is_no_route() -> None:
         with pytest.raises(NoRouteError) as caught:
             await chain._fail_over(StageFailedError("connection lost", HONEST2, "lost"))
         assert caught.value.missing == [(10, 20)] and room.waiting == 0
+
+    asyncio.run(request())
+
+
+def test_a_lost_stage_sits_out_routes_while_another_holder_serves_and_is_not_banned() -> None:
+    """A stage that went silent or whose link broke did nothing wrong: routes leave it
+    out while its standby serves, but it is not banned (it may use this node meanwhile)
+    and nobody asks it whether it is back."""
+    swarm = FakeSwarm()
+
+    async def requests() -> None:
+        chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100)
+        await chain._fail_over(StageFailedError("no token in 4 s", HONEST, "lost"))
+        assert chain.route.peers == (LIAR, HONEST2, LAST)
+        assert (swarm.bans, swarm.sitting_out()) == ([], {HONEST})
+        swarm.answers = {HONEST}  # it would answer, but the standby does without it
+        route, _ = await plan(swarm, SETTINGS, 100, SamplingParams())
+        assert route.peers == (LIAR, HONEST2, LAST) and swarm.asked == []
+
+    asyncio.run(requests())
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_range_only_a_lost_holder_has_is_routed_through_it_once_it_answers(
+    answers: bool,
+) -> None:
+    """A home network that dropped for a minute must not cost its layers a longer
+    outage: with no route without the lost holder, a new request asks it (a ping), and
+    one that answers is back; one that does not leaves the layers missing, named."""
+    records = [r for r in RECORDS if r.peer_id != HONEST2]  # HONEST alone holds 10:20
+    swarm = FakeSwarm(records)
+    swarm.losses = [(HONEST, "stage failed (lost): no token in 4 s")]
+    swarm.answers = {HONEST} if answers else set()
+
+    async def request() -> None:
+        if answers:
+            route, _ = await plan(swarm, SETTINGS, 100, SamplingParams())
+            assert route.peers == (LIAR, HONEST, LAST)
+            assert swarm.sitting_out() == set()  # back for the requests after it too
+        else:
+            with pytest.raises(NoRouteError) as caught:
+                await plan(swarm, SETTINGS, 100, SamplingParams())
+            assert caught.value.missing == [(10, 20)]
+            assert "1 holder(s) banned here, lost and not answering" in str(caught.value)
+        assert swarm.asked == [{HONEST}]  # only the lost holder, once
+        assert swarm.bans == []
+
+    asyncio.run(request())
+
+
+def test_a_banned_holder_is_never_asked_back() -> None:
+    """Only the lost sit out; a peer banned for what it sent stays out, route or not."""
+    records = [r for r in RECORDS if r.peer_id != HONEST2]
+    swarm = FakeSwarm(records)
+    swarm.bans = [(HONEST, "bad frame")]
+    swarm.losses = [(HONEST, "stage failed (lost)")]
+    swarm.answers = {HONEST}
+
+    async def request() -> None:
+        with pytest.raises(NoRouteError):
+            await plan(swarm, SETTINGS, 100, SamplingParams())
+        assert swarm.asked == []
 
     asyncio.run(request())
 
@@ -779,7 +857,7 @@ def test_a_lost_stages_range_goes_to_a_standby_whose_record_shows_no_room() -> N
             swarm, SETTINGS, route, full, 100, room=room, room_deadline=time.monotonic() + 60
         )
         await chain._fail_over(StageFailedError("stage lost", HONEST, "lost"))
-        assert swarm.banned() == {HONEST}
+        assert (swarm.sitting_out(), swarm.bans) == ({HONEST}, [])
         return chain.route
 
     assert asyncio.run(request(RoomQueue())).peers == (LIAR, HONEST2, LAST)

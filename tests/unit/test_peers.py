@@ -278,6 +278,37 @@ def test_a_repeat_offending_address_is_banned_for_fresh_peer_ids() -> None:
     assert not table.is_address_banned("not an ip", T0 + 1)
 
 
+def test_a_lost_peer_sits_out_for_growing_periods_but_is_never_banned() -> None:
+    """A loss is no offence: the peer sits out of routes (periods as a ban's: 30, 60,
+    120 s, one forgiven per quiet decay_s) and is never banned."""
+    table = PeerTable(ban_policy=BanPolicy(base_s=30.0, max_s=3600.0, decay_s=600.0))
+    now = T0
+    lengths = []
+    for _ in range(3):
+        until = table.lose("p", "no token in 4 s", now)
+        lengths.append(until - now)
+        assert [o.peer_id for o in table.outs(until - 0.001)] == ["p"]
+        assert table.outs(until) == ()
+        assert not table.is_banned("p", now) and table.bans(now) == ()
+        now = until + 1.0
+    assert lengths == [30.0, 60.0, 120.0]
+    assert table.lose("p", "again", now + 600.0) == now + 600.0 + 120.0  # one forgiven
+
+
+def test_a_loss_while_sitting_out_is_the_same_incident_and_back_ends_the_period() -> None:
+    table = PeerTable()
+    until = table.lose("p", "no token in 4 s", T0)
+    assert table.lose("p", "stream reset", T0 + 1) == until  # seven sessions, one loss
+    (row,) = table.outs(T0 + 1)
+    assert (row.reason, row.offences, row.remaining_s) == ("no token in 4 s", 1, until - T0 - 1)
+    table.back("p", T0 + 5)  # it answered again
+    assert table.outs(T0 + 5) == ()
+    # Its loss still counts: lost again soon, it sits out twice as long.
+    assert table.lose("p", "lost again", T0 + 10) == T0 + 10 + 60.0
+    table.back("never-lost", T0)  # nothing to end: no error, no entry
+    assert [o.peer_id for o in table.outs(T0 + 10)] == ["p"]
+
+
 def test_ban_reasons_are_kept_as_one_safe_line() -> None:
     table = PeerTable()
     table.ban("p", "bad\nDIAG: forged line \x1b[31mred" + "x" * 1000, T0)

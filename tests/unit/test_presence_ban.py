@@ -1,6 +1,7 @@
-"""`SwarmPresence.ban`: one lost peer fails every session it served, and each session
-reports it; the peer is banned, logged and cut off once per incident, not once per
-session, and every report counts as one of its failures (`/api/peers`)."""
+"""`SwarmPresence.ban` and `lose`: one bad or lost peer fails every session it served,
+and each session reports it; the peer is banned (or, lost, sits out), logged and cut off
+once per incident, not once per session, and every report counts as one of its failures
+(`/api/peers`)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,19 @@ class _View:
         self.refreshes += 1
 
 
-def test_seven_sessions_reporting_one_lost_peer_ban_it_once(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def _presence() -> SwarmPresence:
+    """A presence with no host: its table and its view, nothing else."""
     swarm = SwarmPresence.__new__(SwarmPresence)
     swarm.peers = PeerTable(ban_policy=BanPolicy())
     swarm._host = None
     swarm.view = _View()  # type: ignore[assignment]
+    return swarm
+
+
+def test_seven_sessions_reporting_one_lost_peer_ban_it_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    swarm = _presence()
 
     async def reports() -> None:
         for _ in range(7):
@@ -42,5 +49,28 @@ def test_seven_sessions_reporting_one_lost_peer_ban_it_once(
     assert swarm.view.refreshes == 2
     banned = {row.peer_id: row for row in swarm.peers.bans(time.time())}
     assert banned["peer-lost-midway"].offences == 1 and "another-peer" in banned
+    lost = swarm.peers.get("peer-lost-midway")
+    assert lost is not None and lost.failures == 7
+
+
+def test_a_lost_peer_sits_out_once_per_incident_and_is_banned_from_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Seven sessions through one lost stage report it seven times: one `sits out` line,
+    seven failures, no ban (it may still connect and use this node's protocols)."""
+    swarm = _presence()
+
+    async def reports() -> None:
+        for _ in range(7):
+            await swarm.lose("peer-lost-midway", "stage failed (lost): no token in 4 s")
+
+    with caplog.at_level(logging.WARNING, logger="swarmd.dht.swarm"):
+        trio.run(reports)
+    said = [r.getMessage() for r in caplog.records if "DIAG: peer" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("DIAG: peer sits out peer=t-midway for_s=30")
+    assert swarm.view.refreshes == 1
+    now = time.time()
+    assert swarm.peers.bans(now) == () and swarm._not_banned("peer-lost-midway")
+    assert [o.peer_id for o in swarm.peers.outs(now)] == ["peer-lost-midway"]
     lost = swarm.peers.get("peer-lost-midway")
     assert lost is not None and lost.failures == 7

@@ -319,7 +319,9 @@ def test_banning_the_only_holder_leaves_its_layers_missing() -> None:
     with pytest.raises(NoRouteError) as info:
         plan(cands, banned={"B"})
     assert info.value.missing == [(10, 20)]
-    assert "(1 holder(s) banned here or left out of this request" in str(info.value)
+    assert "(1 holder(s) banned here, lost and not answering, or left out of this request" in str(
+        info.value
+    )
     # Only the avoided holders of missing layers count (A2 still serves A's).
     with pytest.raises(NoRouteError) as info:
         plan([*cands, cand("A2", 0, 10), cand("B2", 10, 20)], banned={"A", "B", "B2"})
