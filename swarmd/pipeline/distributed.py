@@ -522,6 +522,9 @@ class DistributedChain:
         try:
             route = self._replan_through_busy(peer)
         except NoRouteError:
+            if await self._lost_ones_back(peer):
+                self._take_route(self._replan_through_busy(peer))
+                return
             if self._declined and self._room is not None:
                 # The holders left are those that were busy at an earlier try: busy is no
                 # failure, so they are asked again, and one still full says "busy" and
@@ -537,6 +540,14 @@ class DistributedChain:
             self._excluded.add(exc.reporter)
             route = self._replan(exc.reporter)
         self._take_route(route)
+
+    async def _lost_ones_back(self, replaced: str | None) -> bool:
+        """Holders that sit out after an earlier loss (not `replaced`, just lost), asked
+        when no route does without them: True when one answered and is back."""
+        out = self._access.sitting_out() - self._access.banned() - self._excluded
+        out -= self._declined | {replaced}
+        asked = {r.peer_id for r in self._records if r.peer_id in out}
+        return bool(asked) and bool(await self._access.answering(asked))
 
     async def _refresh_holders(self) -> None:
         sent = self._sampling or SamplingParams()  # before open(): nothing new to read

@@ -611,6 +611,30 @@ def test_a_range_only_a_lost_holder_has_is_routed_through_it_once_it_answers(
     asyncio.run(request())
 
 
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_failover_whose_only_standby_was_lost_earlier_asks_it_back(answers: bool) -> None:
+    """Mid-reply, the stage is lost and the only other holder of its range sits out
+    after an earlier loss: it is asked (not the stage just lost), and, answering, takes
+    the range; silent, the reply ends with the range missing."""
+    swarm = FakeSwarm()
+    swarm.losses = [(HONEST2, "stage failed (lost): an hour ago")]
+    swarm.answers = {HONEST, HONEST2} if answers else set()
+
+    async def request() -> None:
+        chain = DistributedChain(swarm, SETTINGS, first_route(swarm), RECORDS, 100)
+        assert chain.route.peers == (LIAR, HONEST, LAST)
+        lost = StageFailedError("no token in 4 s", HONEST, "lost")
+        if answers:
+            await chain._fail_over(lost)
+            assert chain.route.peers == (LIAR, HONEST2, LAST)
+        else:
+            with pytest.raises(NoRouteError):
+                await chain._fail_over(lost)
+        assert swarm.asked == [{HONEST2}] and swarm.bans == []
+
+    asyncio.run(request())
+
+
 def test_a_banned_holder_is_never_asked_back() -> None:
     """Only the lost sit out; a peer banned for what it sent stays out, route or not."""
     records = [r for r in RECORDS if r.peer_id != HONEST2]
