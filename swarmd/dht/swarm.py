@@ -54,6 +54,9 @@ PING_INTERVAL_S = 5.0  # how often connected peers' RTTs are measured
 # A lost holder asked whether it is back (no route without it) answers within this.
 LOST_PING_TIMEOUT_S = 2.0
 LOST_ASKED_MAX = 16  # lost holders asked at once
+# One that did not answer is not asked again sooner: a burst of requests while a lost
+# holder stays down each get their 503 at once, not after a ping's timeout apiece.
+LOST_ASK_AGAIN_S = 5.0
 JOIN_CHECK_S = 5.0  # how often a joined node checks it still has peers (and notes them)
 JOIN_RETRY_MIN_S = 1.0  # the first retry of unreachable bootstrap peers ...
 JOIN_RETRY_MAX_S = 15.0  # ... doubling up to this: a peer that comes up is met within it
@@ -116,6 +119,7 @@ class SwarmPresence:
         self._last_records: dict[str, NodeRecord] = {}  # by model, as announced
         self._make_index = make_index
         self._last_index: IndexRecord | None = None  # as announced; None once withdrawn
+        self._unanswered: dict[str, float] = {}  # lost peer -> when it last did not answer
         self.addrs: list[str] = []  # full multiaddrs, set once the host listens
         self.relay: Relay | None = None
         self._gate: SwarmGate | None = None
@@ -328,11 +332,18 @@ class SwarmPresence:
 
     async def answering(self, peer_ids: set[str]) -> set[str]:
         """Of these lost peers, those that answer a ping now (all asked at once, each
-        within LOST_PING_TIMEOUT_S): their sit-out ends (`PeerTable.back`)."""
+        within LOST_PING_TIMEOUT_S; one that did not answer in the last LOST_ASK_AGAIN_S
+        is not asked): their sit-out ends (`PeerTable.back`)."""
         back: set[str] = set()
         host = self._host
         if host is None:
             return back
+        start = time.monotonic()
+        unanswered = self._unanswered
+        for peer_id, when in list(unanswered.items()):
+            if start - when >= LOST_ASK_AGAIN_S:
+                del unanswered[peer_id]
+        asked = sorted(p for p in peer_ids if p not in unanswered)[:LOST_ASKED_MAX]
 
         async def ask(peer_id: str) -> None:
             answered = False
@@ -345,12 +356,15 @@ class SwarmPresence:
                 back.add(peer_id)
 
         async with trio.open_nursery() as nursery:
-            for peer_id in sorted(peer_ids)[:LOST_ASKED_MAX]:
+            for peer_id in asked:
                 nursery.start_soon(ask, peer_id)
+        for peer_id in asked:
+            if peer_id not in back:
+                unanswered[peer_id] = start
         now = time.time()
         for peer_id in sorted(back):
             self.peers.back(peer_id, now)
-            log.warning("DIAG: peer back peer=%s: lost, it answers again", peer_id[-8:])
+            log.warning("DIAG: peer back peer=%s: lost, it answers again", safe_text(peer_id[-8:]))
         return back
 
     async def announce_now(self) -> None:

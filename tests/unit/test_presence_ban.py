@@ -11,7 +11,9 @@ import time
 import pytest
 import trio
 
+from swarmd.dht import swarm as swarm_module
 from swarmd.dht.swarm import SwarmPresence
+from swarmd.errors import PeerError
 from swarmd.net.peers import BanPolicy, PeerTable
 
 
@@ -74,3 +76,37 @@ def test_a_lost_peer_sits_out_once_per_incident_and_is_banned_from_nothing(
     assert [o.peer_id for o in swarm.peers.outs(now)] == ["peer-lost-midway"]
     lost = swarm.peers.get("peer-lost-midway")
     assert lost is not None and lost.failures == 7
+
+
+def test_lost_peers_asked_back_answer_or_are_left_alone_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`answering`: each lost peer pinged once at a time; one that answers is back (its
+    sit-out ends), one that does not is not pinged again for LOST_ASK_AGAIN_S (a burst
+    of requests while it is down gets its 503s at once)."""
+    swarm = _presence()
+    swarm._unanswered = {}
+    swarm._host = object()  # type: ignore[assignment]
+    pinged: list[str] = []
+
+    async def ping(host: object, peer_id: str, timeout_s: float, rounds: int = 3) -> float:
+        pinged.append(peer_id)
+        if peer_id != "up-again":
+            raise PeerError("no answer", peer_id)
+        return 0.001
+
+    monkeypatch.setattr(swarm_module, "call_ping", ping)
+    now = time.time()
+    for peer in ("up-again", "still-down"):
+        swarm.peers.lose(peer, "lost", now)
+
+    def ask(peers: set[str]) -> set[str]:
+        return trio.run(swarm.answering, peers)
+
+    assert ask({"up-again", "still-down"}) == {"up-again"}
+    assert sorted(pinged) == ["still-down", "up-again"]
+    assert [o.peer_id for o in swarm.peers.outs(time.time())] == ["still-down"]
+    pinged.clear()
+    assert ask({"still-down"}) == set() and pinged == []  # asked a moment ago
+    swarm._unanswered["still-down"] -= swarm_module.LOST_ASK_AGAIN_S  # time passes
+    assert ask({"still-down"}) == set() and pinged == ["still-down"]
