@@ -358,6 +358,10 @@ def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
     peers = a.get_json("/api/peers")
     assert peers["bans"] == []  # type: ignore[index]
     assert [o["peer_id"] for o in peers["sitting_out"]] == [b.peer_id]  # type: ignore[index]
+    report = _text(a.url + "/api/admin/diagnostics")
+    assert "1 banned" not in report and "0 banned, 1 lost and sitting out" in report
+    assert f"sitting out {short(b)} for " in report
+    assert "swarmd_peers_sitting_out 1.0" in _text(a.url + "/metrics")
     body = {**stream_body(tiny_reference, 12), "stream": False}
     expected = complete(tiny_reference, body)[0]["choices"][0]["message"]["content"]
     healed = time.monotonic()
@@ -376,6 +380,11 @@ def test_a_black_holed_stage_without_standby_ends_the_stream_with_one_error(
     assert time.monotonic() - healed < 20.0
     log = a.log_text()
     assert f"DIAG: peer back peer={short(b)}" in log and "DIAG: peer banned" not in log
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return str(resp.read().decode())
 
 
 # --- nodes that take no inbound connection, reached through a relay -------------------
