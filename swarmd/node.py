@@ -516,10 +516,6 @@ class Node:
     def sitting_out(self) -> set[str]:
         return {row.peer_id for row in self.swarm.peers.outs(time.time())}
 
-    def avoided(self) -> set[str]:
-        """Peers routes leave out now: banned, or lost lately."""
-        return self.banned() | self.sitting_out()
-
     async def answering(self, peer_ids: set[str]) -> set[str]:
         return await self.bridge.run(self.swarm.answering, peer_ids)
 

@@ -312,7 +312,7 @@ class SwarmPresence:
         at once. Like `ban`, once per incident however many sessions report it."""
         now = time.time()
         self.peers.record_failure(peer_id)
-        if any(row.peer_id == peer_id for row in self.peers.outs(now)):
+        if self.peers.is_out(peer_id, now):
             return
         until = self.peers.lose(peer_id, reason, now)
         await self._cut_off(peer_id, "sits out", until, reason)
@@ -363,6 +363,8 @@ class SwarmPresence:
                 unanswered[peer_id] = start
         now = time.time()
         for peer_id in sorted(back):
+            if not self.peers.is_out(peer_id, now):
+                continue  # requests at once asked it each: one of them said so
             self.peers.back(peer_id, now)
             log.warning("DIAG: peer back peer=%s: lost, it answers again", safe_text(peer_id[-8:]))
         return back

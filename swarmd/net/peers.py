@@ -159,6 +159,20 @@ def _bannable_address(addr: str) -> str | None:
     return ip.compressed
 
 
+def _in_force(entries: dict[str, _Ban], peer_id: str, now: float) -> bool:
+    entry = entries.get(peer_id)
+    return entry is not None and now < entry.until
+
+
+def _rows(entries: dict[str, _Ban], now: float) -> tuple[BanRow, ...]:
+    """The entries in force at `now`, sorted by peer id."""
+    return tuple(
+        BanRow(pid, e.reason, e.until, e.until - now, e.offences)
+        for pid, e in sorted(entries.items())
+        if now < e.until
+    )
+
+
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else old + alpha * (sample - old)
 
@@ -330,17 +344,26 @@ class PeerTable:
         `reason` is kept made safe for logs and reports (`safe_text`): it may quote a peer.
         """
         reason = safe_text(reason)
-        ban = self._bans.get(peer_id)
-        if ban is not None and now < ban.until:
-            return ban.until  # already banned: the same incident, reported again
-        offences = (self._offences_now(ban, now) if ban is not None else 0) + 1
-        until = now + self._length(offences)
-        if ban is None:
-            self._prune(self._bans, now)
-        self._bans[peer_id] = _Ban(offences, reason, until, now)
-        if addr is not None:
+        until, new = self._offence(self._bans, peer_id, reason, now)
+        if new and addr is not None:
             self._strike_address(addr, reason, now, until)
         return until
+
+    def _offence(
+        self, entries: dict[str, _Ban], peer_id: str, reason: str, now: float
+    ) -> tuple[float, bool]:
+        """One more offence (or loss) of the peer in `entries`: when its period ends, and
+        whether it began one (False: one in force already, the same incident reported
+        again, which does not escalate)."""
+        entry = entries.get(peer_id)
+        if entry is not None and now < entry.until:
+            return entry.until, False
+        offences = (self._offences_now(entry, now) if entry is not None else 0) + 1
+        until = now + self._length(offences)
+        if entry is None:
+            self._prune(entries, now)
+        entries[peer_id] = _Ban(offences, reason, until, now)
+        return until, True
 
     def _length(self, offences: int) -> float:
         policy = self._policy
@@ -378,16 +401,12 @@ class PeerTable:
         """The peer was lost at `now` (silent, or its connection broke): it sits out of
         routes for a period that grows and decays as a ban does; returns its end. A loss
         while it sits out already is the same incident, reported again."""
-        reason = safe_text(reason)
-        out = self._outs.get(peer_id)
-        if out is not None and now < out.until:
-            return out.until
-        losses = (self._offences_now(out, now) if out is not None else 0) + 1
-        if out is None:
-            self._prune(self._outs, now)
-        until = now + self._length(losses)
-        self._outs[peer_id] = _Ban(losses, reason, until, now)
-        return until
+        return self._offence(self._outs, peer_id, safe_text(reason), now)[0]
+
+    @_locked
+    def is_out(self, peer_id: str, now: float) -> bool:
+        """Whether the peer sits out of routes at `now` (lost lately)."""
+        return _in_force(self._outs, peer_id, now)
 
     @_locked
     def back(self, peer_id: str, now: float) -> None:
@@ -400,11 +419,7 @@ class PeerTable:
     @_locked
     def outs(self, now: float) -> tuple[BanRow, ...]:
         """The lost peers sitting out at `now`, sorted by peer id."""
-        return tuple(
-            BanRow(pid, out.reason, out.until, out.until - now, out.offences)
-            for pid, out in sorted(self._outs.items())
-            if now < out.until
-        )
+        return _rows(self._outs, now)
 
     @_locked
     def unban(self, peer_id: str, now: float) -> None:
@@ -415,23 +430,12 @@ class PeerTable:
 
     @_locked
     def is_banned(self, peer_id: str, now: float) -> bool:
-        ban = self._bans.get(peer_id)
-        return ban is not None and now < ban.until
+        return _in_force(self._bans, peer_id, now)
 
     @_locked
     def bans(self, now: float) -> tuple[BanRow, ...]:
         """The bans in force at `now`, sorted by peer id."""
-        return tuple(
-            BanRow(
-                peer_id=pid,
-                reason=ban.reason,
-                until=ban.until,
-                remaining_s=ban.until - now,
-                offences=ban.offences,
-            )
-            for pid, ban in sorted(self._bans.items())
-            if now < ban.until
-        )
+        return _rows(self._bans, now)
 
     @_locked
     def offences(self, peer_id: str, now: float) -> int:

@@ -132,14 +132,19 @@ async def plan(
     except NoRouteError:
         # Only a lost holder has those layers: one that answers again is back (a home
         # network that dropped for a minute must not cost its layers a longer outage).
-        asked = {r.peer_id for r in records if r.peer_id in out}
-        back = await access.answering(asked) if asked else set()
+        back = await _asked_back(access, records, out)
         if not back:
             raise
         log.info("lost holder(s) %s answer again: routed", ",".join(p[-8:] for p in back))
         return _plan_any_room(
             access, settings, records, banned | (out - back), need_tokens
         ), records
+
+
+async def _asked_back(access: SwarmAccess, records: list[NodeRecord], out: set[str]) -> set[str]:
+    """Of the lost peers `out`, the holders in `records` that answer a ping now."""
+    asked = {r.peer_id for r in records if r.peer_id in out}
+    return await access.answering(asked) if asked else set()
 
 
 def _plan_any_room(
@@ -546,8 +551,7 @@ class DistributedChain:
         when no route does without them: True when one answered and is back."""
         out = self._access.sitting_out() - self._access.banned() - self._excluded
         out -= self._declined | {replaced}
-        asked = {r.peer_id for r in self._records if r.peer_id in out}
-        return bool(asked) and bool(await self._access.answering(asked))
+        return bool(await _asked_back(self._access, self._records, out))
 
     async def _refresh_holders(self) -> None:
         sent = self._sampling or SamplingParams()  # before open(): nothing new to read
