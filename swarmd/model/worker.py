@@ -128,6 +128,10 @@ GATHER_MAX_S = 0.005  # the longest a forward waits for a session that comes bac
 # up to this share of a forward's time, and never longer than RING_WAIT_MAX_S.
 RING_WAIT_SHARE = 0.5
 RING_WAIT_MAX_S = 0.02
+# `run_here` runs a step on its caller's thread only when it is a short one: the caller
+# (the stage service's trio thread) answers nothing else while it computes.
+HERE_MAX_TOKENS = 8
+HERE_MAX_FORWARD_S = 0.05
 
 
 class TorchWorker:
@@ -151,6 +155,8 @@ class TorchWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._running = False
         self._exited = threading.Event()
+        # Held while a job runs, on the worker thread or on a caller's (`run_here`).
+        self._busy = threading.Lock()
 
     def start(self) -> None:
         self._running = True
@@ -167,6 +173,35 @@ class TorchWorker:
         ticket = Ticket(job, wake)
         self._queue.put(ticket)
         return ticket
+
+    def run_here(self, job: Job) -> Ticket | None:
+        """Run a step on the calling thread, at once, when the worker is idle and nothing
+        could share its forward: the step's session the only one open here, a few tokens,
+        forwards measured short. None otherwise (submit it). A decode step on a stage then
+        skips two cross-thread wake-ups (to the worker and back) and runs with the caches
+        its frame's parsing warmed: measured, a hop 0.46 ms cheaper (issue 17)."""
+        if (
+            not isinstance(job, StepJob)
+            or job.session_id not in self._rings
+            or len(self._rings) > 1
+            or job.inputs.shape[1] > HERE_MAX_TOKENS
+            # measured short: a step run here cannot time out, and nothing else of the
+            # caller's runs meanwhile (a stage's trio thread: its pings, its frames)
+            or not 0 < self._forward_s <= HERE_MAX_FORWARD_S
+            or not self.running
+        ):
+            return None
+        if not self._busy.acquire(blocking=False):
+            return None
+        try:
+            # Anything queued or taken goes first: a session's jobs keep their order.
+            if self._pending or not self._queue.empty():
+                return None
+            ticket = Ticket(job, _nobody)
+            self._run_steps([ticket])
+            return ticket
+        finally:
+            self._busy.release()
 
     async def run(self, job: Job, timeout_s: float) -> Any:
         """Run a job from asyncio and return its result (or raise its error)."""
@@ -209,21 +244,8 @@ class TorchWorker:
             except Exception:  # a stage that cannot run says so on its first real step
                 log.exception("warming up the stage failed")
             while (ticket := self._next()) is not None:
-                if isinstance(ticket.job, StepJob):
-                    self._run_steps(self._gather(ticket))
-                    continue
-                if not ticket._begin():
-                    continue
-                result: Any = None
-                error: BaseException | None = None
-                try:
-                    result = self._execute(ticket.job)
-                except SwarmError as exc:
-                    error = exc
-                except Exception as exc:  # a torch failure must reach the caller, typed
-                    log.exception("model step failed")
-                    error = InternalError(f"Model step failed: {type(exc).__name__}: {exc}")
-                ticket._end(result, error)
+                with self._busy:
+                    self._take(ticket)
         finally:
             self._running = False
             # A job queued after the stop (a submit racing `shutdown`) is failed, not left
@@ -233,6 +255,23 @@ class TorchWorker:
                 if late._begin():
                     late._end(None, InternalError("The torch worker stopped"))
             self._exited.set()
+
+    def _take(self, ticket: Ticket) -> None:
+        if isinstance(ticket.job, StepJob):
+            self._run_steps(self._gather(ticket))
+            return
+        if not ticket._begin():
+            return
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = self._execute(ticket.job)
+        except SwarmError as exc:
+            error = exc
+        except Exception as exc:  # a torch failure must reach the caller, typed
+            log.exception("model step failed")
+            error = InternalError(f"Model step failed: {type(exc).__name__}: {exc}")
+        ticket._end(result, error)
 
     # --- the queue, and batches of steps ---------------------------------------------
 
@@ -382,6 +421,10 @@ class TorchWorker:
             self._rings[job.session_id] = job.ring
             return opened
         return self.runtime.close(job.session_id)
+
+
+def _nobody() -> None:
+    """The wake-up of a job run on its caller's thread: nobody waits for it."""
 
 
 def _sid(ticket: Ticket) -> str:

@@ -17,6 +17,10 @@ from swarmd.model.worker import Job, TorchWorker
 
 async def run_job(worker: TorchWorker, job: Job, timeout_s: float) -> Any:
     """Run a job from trio and return its result (or raise its error)."""
+    here = worker.run_here(job)
+    if here is not None:
+        await trio.lowlevel.checkpoint()  # a checkpoint, as awaiting the worker would be
+        return here.outcome()
     token = trio.lowlevel.current_trio_token()
     # The job wakes its waiter once, when it ends (a memory channel costs more to make and
     # to wait on: this is on every step of every stage).

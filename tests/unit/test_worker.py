@@ -54,7 +54,7 @@ class FakeRuntime:
             raise ModelLoadError("bad weights")
         if session_id == "untyped":
             raise ValueError("shape mismatch")
-        if session_id.startswith("slow"):
+        if session_id.startswith("slow") or int(inputs.sum()) == SLOW_STEP:
             time.sleep(0.3)
         return int(inputs.sum())
 
@@ -71,6 +71,9 @@ class FakeRuntime:
 
     def close(self, session_id: str) -> None:
         self.calls.append(("close", session_id, threading.current_thread().name))
+
+
+SLOW_STEP = 999  # a step of this value is slow whatever its session
 
 
 def step(sid: str, value: int = 1) -> StepJob:
@@ -314,3 +317,63 @@ async def test_a_ring_forward_short_of_its_share_waits_for_the_steps_coming_back
         assert time.monotonic() - started < 0.1  # no ring session: nothing to wait for
     finally:
         await worker.stop()
+
+
+# --- a lone session's step on its caller's thread ----------------------------------------
+
+
+def test_a_lone_sessions_short_step_runs_on_the_trio_thread_that_awaits_it() -> None:
+    """The stage service's trio thread runs a decode step itself when nothing could share
+    the forward (no wake-up of the worker and back); anything else goes to the worker."""
+    runtime = FakeRuntime()
+    worker = TorchWorker(runtime)
+    worker.start()
+
+    def thread_of(sid: str) -> str:
+        return [c[2] for c in runtime.calls if c[:2] == ("step", sid)][-1]
+
+    async def main() -> None:
+        here = threading.current_thread().name
+        await run_job(worker, OpenJob("a", 10, None, ring=2), 5)
+        assert await run_job(worker, step("a", 4), 5) == 4
+        assert thread_of("a") == "swarmd-torch"  # no forward measured yet: the worker's
+        assert await run_job(worker, step("a", 5), 5) == 5
+        assert thread_of("a") == here
+        tokens = worker_module.HERE_MAX_TOKENS + 1
+        many = StepJob("a", torch.ones(1, tokens, dtype=torch.long), True)
+        assert await run_job(worker, many, 5) == tokens
+        assert thread_of("a") == "swarmd-torch"  # a prompt's chunk: the worker's
+        assert worker.run_here(step("b")) is None  # not open here
+        await run_job(worker, OpenJob("b", 10, None, ring=2), 5)
+        assert await run_job(worker, step("a", 6), 5) == 6
+        assert thread_of("a") == "swarmd-torch"  # two sessions: they may share forwards
+        await run_job(worker, CloseJob("b"), 5)
+        assert await run_job(worker, step("a", 7), 5) == 7
+        assert thread_of("a") == here
+
+    try:
+        trio.run(main)
+    finally:
+        asyncio.run(worker.stop())
+
+
+async def test_a_step_is_not_run_here_while_the_worker_has_work_or_forwards_are_slow(
+    worker: TorchWorker,
+) -> None:
+    await worker.run(OpenJob("x", 10, None), 5)
+    for _ in range(3):
+        await worker.run(step("x"), 5)
+    assert worker.run_here(step("x", 2)) is not None  # idle, quick forwards: it may
+    busy = asyncio.create_task(worker.run(step("x", SLOW_STEP), 5))
+    await asyncio.sleep(0.05)  # the worker runs it
+    assert worker.run_here(step("x")) is None
+    assert await busy == SLOW_STEP
+    # that forward took 0.3 s: the average is over 50 ms, and a step run here could hold
+    # its caller as long
+    assert worker.run_here(step("x")) is None
+    for _ in range(40):  # the average comes down: quick steps may run here again
+        await worker.run(step("x"), 5)
+    ticket = worker.run_here(step("x", 3))
+    assert ticket is not None and ticket.outcome() == 3
+    here = threading.current_thread().name
+    assert worker.runtime.calls[-1] == ("step", "x", here)  # type: ignore[attr-defined]
