@@ -21,7 +21,7 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
 	$(if $(shell grep -m1 -o avx512_bf16 /proc/cpuinfo 2>/dev/null),-DGGML_AVX512_BF16=ON),-DGGML_AVX512=OFF)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: install native run test lint bench bench-deps clean browser test-models
+.PHONY: install native run test lint bench bench-deps clean browser test-models natlab
 
 install: $(STAMP)
 
@@ -50,7 +50,7 @@ lint: install
 	$(BIN)/ruff check swarmd tests bench examples
 	$(BIN)/ruff format --check swarmd tests bench examples
 
-test: install native lint browser test-models
+test: install native lint browser natlab test-models
 	$(BIN)/python -m pytest -q -ra
 
 test-models: $(TEST_MODELS)
@@ -62,6 +62,12 @@ $(TEST_MODELS): $(STAMP)
 # The chat page's tests drive Debian's Chromium through Playwright (tests/browser).
 browser:
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+
+# The NAT tests build home routers in network namespaces (tests/natlab.py): iproute2's
+# `ip` and nftables' `nft`, run as root.
+natlab:
+	command -v ip >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q iproute2; }
+	command -v nft >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q nftables; }
 
 bench: install native
 	$(BIN)/python bench/engine.py

@@ -18,12 +18,10 @@ library first; its report is quoted in the closing note of issue 17):
 - HOP and STOP streams pass this node's gate (`admits`): a banned peer, or one that has
   not proved a private swarm's key, is refused like on swarmd's own protocols.
 
-Hole punching (DCUtR) is not used. Its library version closes the relayed connection
-60 s after an upgrade, resetting the stage streams still on it; and it cannot be tried
-on one machine: the side that starts it dials as the Noise responder, counting on the
-TCP simultaneous open a real NAT punch gives, so on loopback both ends of the new
-connection wait as responders and the handshake fails (tried: two listening hosts, each
-reached through a relay; no direct connection came up).
+- **Hole punching** (DCUtR, `swarmd/net/punch.py`): two nodes connected through a relay
+  make a direct connection by dialing each other at once from their listening ports;
+  its stream passes the same gate.
+
 A node that is reached through a relay but dials out itself (to a reachable peer) gives
 that peer a direct connection all the same, and streams between the two take it.
 """
@@ -51,6 +49,7 @@ from multiaddr import Multiaddr
 
 from swarmd.errors import DialError, DialTimeoutError
 from swarmd.net.host import libp2p_peer_id
+from swarmd.net.punch import DCUTR_PROTOCOL, HolePunch
 from swarmd.net.remote_addr import is_relayed
 
 log = logging.getLogger(__name__)
@@ -183,13 +182,20 @@ class Relay:
         roles = RelayRole.STOP | RelayRole.CLIENT
         self._transport = CircuitV2Transport(host, self._protocol, RelayConfig(roles=roles))
         self._dialer = CircuitV2Transport(host, self._protocol, RelayConfig(roles=RelayRole.STOP))
+        self.punch = HolePunch(host)
         self._nursery: trio.Nursery | None = None
         self.reserved_on: str | None = None  # the relay's peer id, while a slot is held
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with background_trio_service(self._protocol), trio.open_nursery() as nursery:
+        async with (
+            background_trio_service(self._protocol),
+            background_trio_service(self.punch),
+            trio.open_nursery() as nursery,
+        ):
             await self._protocol.event_started.wait()
+            await self.punch.event_started.wait()
             self._gate(STOP_PROTOCOL, self._protocol._handle_stop_stream)
+            self._gate(DCUTR_PROTOCOL, self.punch._handle_dcutr_stream)
             if self.settings.serve:
                 self._gate(HOP_PROTOCOL, self._protocol._handle_hop_stream)
             self._nursery = nursery

@@ -10,11 +10,14 @@ from dataclasses import dataclass
 
 import pytest
 import trio
+from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
 
 from swarmd.errors import DialError
 from swarmd.net.frames import FrameStream
 from swarmd.net.host import P2PHost, open_host
 from swarmd.net.identity import Identity
+from swarmd.net.punch import DCUTR_PROTOCOL
 from swarmd.net.relay import Relay, RelaySettings
 from swarmd.net.remote_addr import remote_ips
 from tests.trio_run import run_trio
@@ -147,5 +150,30 @@ def test_one_circuit_ending_leaves_the_other_circuits_to_that_peer() -> None:
                     await a1.host.disconnect(b.host.peer_id)
                 await trio.sleep(0.5)  # the relay has seen a1's circuit end
                 await echo_round(a2.host, b.host.peer_id, b"still there")
+
+    run(test)
+
+
+def test_a_hole_punch_session_passes_the_gate() -> None:
+    """The DCUtR stream is gated as the relay's are: a refused peer's never reaches the
+    hole punch (which counts every session it answers)."""
+
+    async def session(a: Peer, b: Peer) -> None:
+        stream = await a.host.libp2p.new_stream(ID.from_base58(b.host.peer_id), [DCUTR_PROTOCOL])
+        try:
+            with trio.fail_after(10), pytest.raises(StreamEOF):  # ended, nothing to punch
+                await stream.read(10)
+        finally:
+            await stream.reset()
+
+    async def test() -> None:
+        async with peer() as a, peer() as b:
+            await a.host.connect(b.host.addrs[0])
+            asker = ID.from_base58(a.host.peer_id)
+            await session(a, b)
+            assert len(b.relay.punch._answered[asker]) == 1  # answered
+            b.refused.add(a.host.peer_id)
+            await session(a, b)
+            assert len(b.relay.punch._answered[asker]) == 1  # refused at the gate
 
     run(test)

@@ -322,6 +322,14 @@ async def test_a_ring_forward_short_of_its_share_waits_for_the_steps_coming_back
 # --- a lone session's step on its caller's thread ----------------------------------------
 
 
+def until_idle(worker: TorchWorker) -> None:
+    """Wait until the worker has let go of the job it just ended (its waiter wakes as the
+    job ends, a moment before the worker is free)."""
+    deadline = time.monotonic() + 5
+    while worker._busy.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def test_a_lone_sessions_short_step_runs_on_the_trio_thread_that_awaits_it() -> None:
     """The stage service's trio thread runs a decode step itself when nothing could share
     the forward (no wake-up of the worker and back); anything else goes to the worker."""
@@ -337,6 +345,7 @@ def test_a_lone_sessions_short_step_runs_on_the_trio_thread_that_awaits_it() -> 
         await run_job(worker, OpenJob("a", 10, None, ring=2), 5)
         assert await run_job(worker, step("a", 4), 5) == 4
         assert thread_of("a") == "swarmd-torch"  # no forward measured yet: the worker's
+        until_idle(worker)
         assert await run_job(worker, step("a", 5), 5) == 5
         assert thread_of("a") == here
         tokens = worker_module.HERE_MAX_TOKENS + 1
@@ -348,6 +357,7 @@ def test_a_lone_sessions_short_step_runs_on_the_trio_thread_that_awaits_it() -> 
         assert await run_job(worker, step("a", 6), 5) == 6
         assert thread_of("a") == "swarmd-torch"  # two sessions: they may share forwards
         await run_job(worker, CloseJob("b"), 5)
+        until_idle(worker)
         assert await run_job(worker, step("a", 7), 5) == 7
         assert thread_of("a") == here
 
@@ -363,6 +373,7 @@ async def test_a_step_is_not_run_here_while_the_worker_has_work_or_forwards_are_
     await worker.run(OpenJob("x", 10, None), 5)
     for _ in range(3):
         await worker.run(step("x"), 5)
+    until_idle(worker)
     assert worker.run_here(step("x", 2)) is not None  # idle, quick forwards: it may
     busy = asyncio.create_task(worker.run(step("x", SLOW_STEP), 5))
     await asyncio.sleep(0.05)  # the worker runs it
@@ -373,6 +384,7 @@ async def test_a_step_is_not_run_here_while_the_worker_has_work_or_forwards_are_
     assert worker.run_here(step("x")) is None
     for _ in range(40):  # the average comes down: quick steps may run here again
         await worker.run(step("x"), 5)
+    until_idle(worker)
     ticket = worker.run_here(step("x", 3))
     assert ticket is not None and ticket.outcome() == 3
     here = threading.current_thread().name
