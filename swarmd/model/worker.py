@@ -1,11 +1,14 @@
 """`TorchWorker`: the one thread that runs torch, fed typed jobs through a queue.
 
-Model compute never runs on an event loop. A job is `OpenJob`, `StepJob` or `CloseJob`
+Model compute never runs on the asyncio loop (the HTTP side). The one exception to "on
+the worker thread" is `run_here`: a short step of the only session open on a stage, run
+by the stage service's trio thread itself (the worker idle, one job at a time either
+way). A job is `OpenJob`, `StepJob` or `CloseJob`
 on the node's `StageRuntime`; `submit` queues one from any thread and returns a `Ticket`
 that calls a `wake` function (on the worker thread) when the job starts and when it ends.
 The waiters are thin: `TorchWorker.run` for asyncio (the HTTP side) and
 `worker_trio.run_job` for trio (the stage service), so a remote step goes trio -> worker
--> trio with no detour through the other loop.
+-> trio with no detour through the other loop (or stays on trio: `run_here`).
 
 Every wait has a timeout counted from the moment the worker starts the job (time in the
 queue is the admission's business, not the step's). A queued job whose caller has gone is
@@ -129,9 +132,12 @@ GATHER_MAX_S = 0.005  # the longest a forward waits for a session that comes bac
 RING_WAIT_SHARE = 0.5
 RING_WAIT_MAX_S = 0.02
 # `run_here` runs a step on its caller's thread only when it is a short one: the caller
-# (the stage service's trio thread) answers nothing else while it computes.
+# (the stage service's trio thread) answers nothing else while it computes, so this
+# bounds how long the node's networking waits (DESIGN.md section 1 keeps compute off the
+# event loops; this is the one measured exception). A stage's trio thread already waits
+# that long for the GIL while the worker's forward runs Python between torch's kernels.
 HERE_MAX_TOKENS = 8
-HERE_MAX_FORWARD_S = 0.05
+HERE_MAX_FORWARD_S = 0.02
 
 
 class TorchWorker:

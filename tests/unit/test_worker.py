@@ -379,7 +379,7 @@ async def test_a_step_is_not_run_here_while_the_worker_has_work_or_forwards_are_
     await asyncio.sleep(0.05)  # the worker runs it
     assert worker.run_here(step("x")) is None
     assert await busy == SLOW_STEP
-    # that forward took 0.3 s: the average is over 50 ms, and a step run here could hold
+    # that forward took 0.3 s: the average is over 20 ms, and a step run here could hold
     # its caller as long
     assert worker.run_here(step("x")) is None
     for _ in range(40):  # the average comes down: quick steps may run here again
