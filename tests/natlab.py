@@ -146,7 +146,8 @@ class NatLab:
         self, home: Home, url: str, body: object | None = None, timeout_s: float = 300.0
     ) -> tuple[int, dict[str, object], dict[str, str]]:
         """GET `url` (or POST `body` as JSON) from the home's machine, where its node's API
-        listens on its own 127.0.0.1: status, JSON body, headers (lower-case)."""
+        listens on its own 127.0.0.1: status, JSON body (or {"text": ...} for a plain-text
+        one), headers (lower-case)."""
         payload = "" if body is None else json.dumps(body)
         out = self.run_in(home, [sys.executable, "-c", _CLIENT, url, payload], timeout_s + 10)
         answer = json.loads(out)
@@ -171,7 +172,11 @@ try:
         status, raw, headers = response.status, response.read(), response.headers
 except urllib.error.HTTPError as exc:
     status, raw, headers = exc.code, exc.read(), exc.headers
-print(json.dumps({"status": status, "body": json.loads(raw),
+try:
+    body = json.loads(raw)
+except ValueError:  # a plain-text answer (the diagnostics report)
+    body = {"text": raw.decode(errors="replace")}
+print(json.dumps({"status": status, "body": body,
                   "headers": {k.lower(): v for k, v in headers.items()}}))
 """
 

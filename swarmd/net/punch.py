@@ -50,6 +50,7 @@ __all__ = ["DCUTR_PROTOCOL", "HolePunch", "leads"]
 MAX_SESSIONS = 3  # sessions answered for one peer per window
 SESSION_WINDOW_S = 600.0
 MAX_ADDRS = 4  # addresses of a peer punched in one session
+MAX_PEERS_KEPT = 1024  # peers whose sessions are counted, before the old ones are dropped
 
 
 def listening(host: Any) -> list[tuple[int, str, int]]:
@@ -93,6 +94,10 @@ class HolePunch(DCUtRProtocol):
         if peer_id in self._in_progress:
             return False
         now = time.monotonic() if now is None else now
+        if len(self._answered) > MAX_PEERS_KEPT:  # peers that asked long ago are forgotten
+            for peer, times in list(self._answered.items()):
+                if not times or times[-1] <= now - SESSION_WINDOW_S:
+                    del self._answered[peer]
         began = self._answered.setdefault(peer_id, deque())
         while began and began[0] <= now - SESSION_WINDOW_S:
             began.popleft()

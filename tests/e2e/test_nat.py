@@ -11,6 +11,7 @@ keep serving each other when the relay goes away.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +103,8 @@ def test_two_homes_behind_nat_are_served_through_a_relay_then_punch_a_direct_lin
             lambda: punched in first.log_text() and punched in second.log_text(), 90, 0.5
         ), first.log_text()[-3000:]
         assert wait_until(lambda: link_to(lab, home_a, first, second_id) == "direct", 30, 0.5)
+        _, report, _ = lab.http(home_a, f"{first.url}/api/admin/diagnostics")
+        assert re.search(r"hole punching: [1-9]\d* direct connection", str(report["text"]))
 
         # Several sessions at once over the punched link.
         bodies = [

@@ -88,6 +88,17 @@ def test_a_peer_gets_a_few_sessions_a_window_one_at_a_time() -> None:
     assert not hole.may_answer(other, 101.0)  # one at a time
 
 
+def test_peers_that_asked_long_ago_are_forgotten(monkeypatch: Any) -> None:
+    monkeypatch.setattr(punch, "MAX_PEERS_KEPT", 4)
+    hole = HolePunch(behind_nat())
+    old = [peer() for _ in range(5)]
+    for p in old:
+        assert hole.may_answer(p, 100.0)
+    recent = peer()
+    assert hole.may_answer(recent, 100.0 + SESSION_WINDOW_S + 1)  # over the cap: pruned
+    assert set(hole._answered) == {recent}
+
+
 def test_at_most_a_few_tcp_addresses_of_a_peer_are_punched() -> None:
     hole = HolePunch(behind_nat())
     said = [Multiaddr(f"/ip4/198.51.100.{i}/tcp/{4000 + i}").to_bytes() for i in range(20)]
