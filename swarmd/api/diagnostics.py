@@ -210,7 +210,7 @@ def _section_addresses(node: Node) -> str:
         lines += ["announced as:", *announced]
     detail = node.swarm.reachability_detail
     lines.append(f"reachability: {detail or node.swarm.reachability}")
-    relay = getattr(node.swarm, "relay", None)
+    relay = node.swarm.relay
     if relay is not None and (relay.punch.punched or relay.punch.failed):
         lines.append(
             f"hole punching: {relay.punch.punched} direct connection(s) made, "

@@ -134,8 +134,7 @@ RING_WAIT_MAX_S = 0.02
 # `run_here` runs a step on its caller's thread only when it is a short one: the caller
 # (the stage service's trio thread) answers nothing else while it computes, so this
 # bounds how long the node's networking waits (DESIGN.md section 1 keeps compute off the
-# event loops; this is the one measured exception). A stage's trio thread already waits
-# that long for the GIL while the worker's forward runs Python between torch's kernels.
+# event loops; this is the one measured exception).
 HERE_MAX_TOKENS = 8
 HERE_MAX_FORWARD_S = 0.02
 

@@ -25,8 +25,8 @@ The punch itself is the library's: each side dials the other's public address fr
 own listening port (SO_REUSEPORT), the side that answers at once and the side that
 started after half the relayed round trip, so that each side's SYN leaves a NAT mapping
 the other's passes through. It works where a NAT keeps a connection's source port (as
-Linux and most home routers do); a NAT that picks a new port for every connection
-leaves the relay in use, as before.
+Linux's masquerade does: measured in the lab); a NAT that picks a new port for every
+connection leaves the relay in use, as before.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from libp2p.relay.circuit_v2 import dcutr
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID as DCUTR_PROTOCOL
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from multiaddr import Multiaddr
+
+from swarmd.net.remote_addr import far_end
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class HolePunch(DCUtRProtocol):
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list[Multiaddr]:
         kept = []
-        for addr in super()._decode_observed_addrs(addr_bytes[: MAX_ADDRS * 4]):
+        for addr in super()._decode_observed_addrs(addr_bytes):
             if "/p2p-circuit" not in str(addr) and dcutr._tcp_ip_port(addr) is not None:
                 kept.append(addr)
         return kept[:MAX_ADDRS]
@@ -139,17 +141,12 @@ class HolePunch(DCUtRProtocol):
         if target is None:
             return False
         network = self.host.get_network()
-        for other, conns in list(network.connections.items()):
-            if other == peer_id:
-                continue
-            for conn in conns if isinstance(conns, list) else [conns]:
-                try:
-                    remote = conn.get_transport_addresses()
-                except Exception:  # a connection closing as it is read
-                    continue
-                if any(dcutr._tcp_ip_port(a) == target for a in remote):
-                    return True
-        return False
+        return any(
+            far_end(conn) == target[1:]
+            for other, conns in list(network.connections.items())
+            if other != peer_id
+            for conn in (conns if isinstance(conns, list) else [conns])
+        )
 
     async def _perform_hole_punch(  # type: ignore[override]
         self, peer_id: ID, addrs: list[Multiaddr], as_responder: bool = False

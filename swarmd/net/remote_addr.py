@@ -13,7 +13,7 @@ from typing import Any
 
 from swarmd.net.host import P2PHost, libp2p_peer_id
 
-__all__ = ["is_relayed", "remote_ip", "remote_ips"]
+__all__ = ["far_end", "is_relayed", "remote_ip", "remote_ips"]
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +24,26 @@ def remote_ips(host: P2PHost, peer_id: str) -> list[str]:
     if pid is None:
         return []
     ips: list[str] = []
-    try:
-        for conn in host.libp2p.get_network().get_connections(pid):
-            if is_relayed(conn):
-                continue
-            address = conn.muxed_conn.get_remote_address()
-            if address is not None and address[0] not in ips:
-                ips.append(address[0])
-    # A connection closing under us may fail in any of libp2p's layers; an address is
-    # only a hint for bans, so none is the answer then.
-    except Exception as exc:
-        log.debug("no remote address of %s: %r", peer_id[-8:], exc)
+    for conn in host.libp2p.get_network().get_connections(pid):
+        address = far_end(conn)
+        if address is not None and address[0] not in ips:
+            ips.append(address[0])
     return ips
+
+
+def far_end(conn: Any) -> tuple[str, int] | None:
+    """The (IP, port) of a libp2p connection's far end; None through a relay (the far end
+    is the relay), or when it cannot be read."""
+    if is_relayed(conn):
+        return None
+    try:
+        address = conn.muxed_conn.get_remote_address()
+    # A connection closing under us may fail in any of libp2p's layers; an address is
+    # only a hint (bans, dial-backs, a punch's targets), so none is the answer then.
+    except Exception as exc:
+        log.debug("no remote address of a connection: %r", exc)
+        return None
+    return None if address is None else (str(address[0]), int(address[1]))
 
 
 def is_relayed(conn: Any) -> bool:

@@ -17,43 +17,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import NodeProcess, start_node, wait_until
-from tests.e2e.test_network import ids
+from tests.conftest import NodeProcess, wait_until
+from tests.e2e.test_network import ids, node_group, relay_only
 from tests.e2e.test_pipeline import chat_body, complete
 from tests.natlab import Home, NatLab, missing_tools
 
 
 @contextlib.contextmanager
 def lab_nodes(tmp_path: Path) -> Iterator[tuple[NatLab, Callable[..., NodeProcess]]]:
-    """A lab of two homes, and `start(name, home or None, *args)`: a node on a home's
-    machine or on the internet; every node is stopped, then the lab taken down."""
+    """A lab of two homes, and test_network's `start` (`launcher=lab.launcher(home)`
+    runs a node on a home's machine); every node is stopped, then the lab taken down."""
     assert not missing_tools(), f"the NAT lab needs {missing_tools()} (`make test` installs nft)"
-    nodes: list[NodeProcess] = []
-    with NatLab(homes=2) as lab:
-
-        def start(name: str, home: Home | None, *args: str) -> NodeProcess:
-            workdir = tmp_path / name
-            workdir.mkdir()
-            common = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
-            launcher = None if home is None else lab.launcher(home)
-            nodes.append(start_node([*common, *args], workdir, launcher=launcher))
-            return nodes[-1]
-
-        try:
-            yield lab, start
-        finally:
-            for node in nodes:
-                node.stop()
+    with NatLab(homes=2) as lab, node_group(tmp_path) as start:
+        yield lab, start
 
 
 def behind_nat_and_relayed(lab: NatLab, home: Home, node: NodeProcess) -> bool:
     _, health, _ = lab.http(home, f"{node.url}/health")
-    addrs = health.get("addrs") or []
-    return (
-        health.get("reachability") == "private"
-        and bool(addrs)
-        and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
-    )
+    return health.get("reachability") == "private" and relay_only(health)
 
 
 def link_to(lab: NatLab, home: Home, node: NodeProcess, peer_id: str) -> str | None:
@@ -68,14 +49,14 @@ def test_two_homes_behind_nat_are_served_through_a_relay_then_punch_a_direct_lin
     tmp_path: Path, tiny_chat_dir: Path, tiny_reference: NodeProcess, swarm_env: None
 ) -> None:
     with lab_nodes(tmp_path) as (lab, start):
-        relay = start("relay", None, "--no-model", "--relay-service", "--p2p-host", lab.wan_ip)
+        relay = start("relay", "--no-model", "--relay-service", "--p2p-host", lab.wan_ip)
         boot = next(a for a in relay.p2p_addrs if f"/ip4/{lab.wan_ip}/" in a)
         home_a, home_b = lab.homes
         # Listening on every interface of its machine, as at home: what it announces
         # (its LAN address) is no use to peers on the internet.
         common = ["--bootstrap", boot, "--model", str(tiny_chat_dir), "--p2p-host", "0.0.0.0"]
-        first = start("first", home_a, *common, "--layers", "0:2")
-        second = start("second", home_b, *common, "--layers", "2:4")
+        first = start("first", *common, "--layers", "0:2", launcher=lab.launcher(home_a))
+        second = start("second", *common, "--layers", "2:4", launcher=lab.launcher(home_b))
         for home, node in ((home_a, first), (home_b, second)):
             assert wait_until(lambda h=home, n=node: behind_nat_and_relayed(lab, h, n), 60, 0.5)
             assert "DIAG: reachability private" in node.log_text()

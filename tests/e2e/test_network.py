@@ -392,15 +392,15 @@ def _text(url: str) -> str:
 
 @contextmanager
 def node_group(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
-    """`start(name, *args)` runs a node (any free ports, its own data dir); every node
-    started is stopped at the end."""
+    """`start(name, *args, launcher=None)` runs a node (any free ports, its own data dir;
+    `launcher`: start_node's); every node started is stopped at the end."""
     nodes: list[NodeProcess] = []
 
-    def start(name: str, *args: str) -> NodeProcess:
+    def start(name: str, *args: str, launcher: list[str] | None = None) -> NodeProcess:
         workdir = tmp_path / name
         workdir.mkdir()
         common = ["--port", "0", "--p2p-port", "0", "--data-dir", str(workdir / "data")]
-        nodes.append(start_node([*common, *args], workdir))
+        nodes.append(start_node([*common, *args], workdir, launcher=launcher))
         return nodes[-1]
 
     try:
@@ -411,7 +411,12 @@ def node_group(tmp_path: Path) -> Iterator[Callable[..., NodeProcess]]:
 
 
 def announces_relay_only(node: NodeProcess) -> bool:
-    addrs = node.health()["addrs"]
+    return relay_only(node.health())
+
+
+def relay_only(health: dict[str, object]) -> bool:
+    """Whether a node's /health lists only circuit addresses (a relay's) to dial it at."""
+    addrs = health.get("addrs") or []
     return bool(addrs) and all("/p2p-circuit" in str(a) for a in addrs)  # type: ignore[union-attr]
 
 

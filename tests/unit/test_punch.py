@@ -18,11 +18,17 @@ def peer() -> ID:
 
 
 class Conn:
-    def __init__(self, *addrs: str) -> None:
-        self.addrs = [Multiaddr(a) for a in addrs]
+    """A direct TCP connection whose far end is `ip:port`."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = Multiaddr(addr)
+        self.muxed_conn = self
 
     def get_transport_addresses(self) -> list[Multiaddr]:
-        return self.addrs
+        return [self.addr]
+
+    def get_remote_address(self) -> tuple[str, int]:
+        return self.addr.value_for_protocol("ip4"), int(self.addr.value_for_protocol("tcp"))
 
 
 class Network:
