@@ -321,7 +321,7 @@ def transformers_child(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
 
-    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
 
     class Clock(BaseStreamer):  # type: ignore[misc]
         """When each new token comes out (the first `put` is the prompt)."""
@@ -337,7 +337,7 @@ def transformers_child(args: argparse.Namespace) -> None:
 
     # generate() runs on this thread, the one that loaded the model: no second OpenMP team.
     torch.set_num_threads(args.threads)
-    folder = resolve_model(EMBEDDED_MODEL_ID, args.cache_dir, "fp32").model_dir
+    folder = resolve_folder(EMBEDDED_MODEL_ID, args.cache_dir, "fp32").model_dir
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
@@ -365,10 +365,10 @@ def transformers_child(args: argparse.Namespace) -> None:
 def prompt_counts(cache_dir: Path, runs: int) -> list[int]:
     """Tokens of each prefill prompt, as the embedded model's tokenizer and chat template
     make them (llama.cpp's stream reports no usage; it renders the same template)."""
-    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
     from swarmd.model.text import ChatMessage, TextCodec
 
-    codec = TextCodec.load(resolve_model(EMBEDDED_MODEL_ID, cache_dir).model_dir)
+    codec = TextCodec.load(resolve_folder(EMBEDDED_MODEL_ID, cache_dir).model_dir)
     return [len(codec.chat_prompt([ChatMessage("user", prefill_prompt(r))])) for r in range(runs)]
 
 

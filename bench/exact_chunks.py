@@ -33,12 +33,12 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarmd.acquire import EMBEDDED_MODEL_ID, resolve_model  # noqa: E402
 from swarmd.engine.arch import arch_spec  # noqa: E402
 from swarmd.engine.attention import chunk_queries, plan_chunk  # noqa: E402
 from swarmd.engine.load import load_lean_stage  # noqa: E402
 from swarmd.model.layers import LayerRange  # noqa: E402
 from swarmd.model.rows import Row  # noqa: E402
+from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 
@@ -89,7 +89,7 @@ def attention(args: argparse.Namespace) -> float:
 
 def engine(args: argparse.Namespace) -> tuple[float, float]:
     """The embedded model's prefill of the prompt, and a decode step after it (ms)."""
-    model = resolve_model(EMBEDDED_MODEL_ID, Path(args.cache_dir)).model_dir
+    model = resolve_folder(EMBEDDED_MODEL_ID, Path(args.cache_dir)).model_dir
     config = json.loads((model / "config.json").read_text())
     files = sorted(model.glob("*.safetensors"))
     stage = load_lean_stage(files, arch_spec(config), LayerRange(0, 30), "auto", torch.bfloat16)

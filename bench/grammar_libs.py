@@ -471,10 +471,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
     from swarmd.model.text import TextCodec
 
-    model_dir = resolve_model(EMBEDDED_MODEL_ID, args.cache_dir).model_dir
+    model_dir = resolve_folder(EMBEDDED_MODEL_ID, args.cache_dir).model_dir
     codec = TextCodec.load(model_dir)
     width = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     eos = sorted(codec.eos_ids)

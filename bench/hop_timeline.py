@@ -235,12 +235,12 @@ def main() -> None:
 
     import concurrency
 
-    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
 
     workdir = Path(tempfile.mkdtemp(prefix="hop-timeline-"))
     if args.libp2p:
         os.environ[LIBP2P_ENV] = "1"  # the nodes inherit it
-    smollm = resolve_model(EMBEDDED_MODEL_ID, args.cache_dir).model_dir
+    smollm = resolve_folder(EMBEDDED_MODEL_ID, args.cache_dir).model_dir
     model_args: list[str] = []
     split = ("0:15", "15:30")
     if args.tiny:

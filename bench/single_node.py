@@ -132,9 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_folder(cache_dir: Path) -> Path:
     """The converted Hugging Face folder of the embedded model (converted once if needed)."""
-    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+    from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
 
-    return resolve_model(EMBEDDED_MODEL_ID, cache_dir, "fp32").model_dir
+    return resolve_folder(EMBEDDED_MODEL_ID, cache_dir, "fp32").model_dir
 
 
 # --- CPU used by other processes --------------------------------------------------------

@@ -60,7 +60,7 @@ class Acquired:
 def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
     """The model source and layer range this node will load (blocking)."""
     cache_dir = Path(config.cache_dir)
-    local = _local_source(config.model, cache_dir, config.weights)
+    local = _local_source(config.model, cache_dir)
     wants_auto = config.layers == "auto"
     if local is not None and not wants_auto and not _lacks_files(local, config.layers):
         return Acquired(local, config.layers)
@@ -70,10 +70,10 @@ def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acqu
     return trio.run(job.run)
 
 
-def _local_source(spec: str, cache_dir: Path, weights: str) -> ModelSource | None:
+def _local_source(spec: str, cache_dir: Path) -> ModelSource | None:
     """The model on this machine, or None for an id to look for in the swarm."""
     try:
-        return resolve_model(spec, cache_dir, weights)
+        return resolve_model(spec, cache_dir)
     except ModelNotFoundError:
         if Path(spec).expanduser().exists():
             raise  # a path that is there but is no model: say so, do not search
@@ -157,9 +157,9 @@ def _dtype(config: Config, source: ModelSource | None, manifest: Manifest | None
     elif manifest is not None:
         stored = label_formats(manifest.weights)
     elif source is not None:
-        from swarmd.engine.load import stored_formats
+        from swarmd.model.loader import model_formats
 
-        stored = stored_formats(sorted(source.model_dir.glob("*.safetensors")))
+        stored = model_formats(source)
     else:
         stored = set()
     from swarmd.model.loader import cpu_capability

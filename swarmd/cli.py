@@ -478,7 +478,7 @@ def _write_shards(
     from swarmd.errors import ConfigError
     from swarmd.model.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
     from swarmd.model.shards import ShardPlan, even_ranges, parse_ranges, read_config, write_shards
-    from swarmd.model.source import resolve_model
+    from swarmd.model.source import resolve_folder
 
     if (stages is None) == (ranges is None):
         raise ConfigError("give either --stages N or --ranges A:B,B:C,...")
@@ -486,7 +486,7 @@ def _write_shards(
         raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}")
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ConfigError(f"--chunk-bytes must be in {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES}")
-    resolved = resolve_model(source, cache_dir or default_cache_dir(), weights or AUTO)
+    resolved = resolve_folder(source, cache_dir or default_cache_dir(), weights or AUTO)
     if resolved.manifest is not None:
         raise ConfigError(f"{source} is already sharded; shard the original model instead")
     num_layers = int(read_config(resolved.model_dir)["num_hidden_layers"])  # type: ignore[call-overload]

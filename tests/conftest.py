@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
+from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_folder
 
 # Tiny random transformers configs of every family (the engine and the exact-path tests).
 TINY = {
@@ -44,16 +44,17 @@ def test_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm_dir(test_cache_dir: Path) -> Path:
-    """The embedded SmolLM2-135M-Instruct as a node holds it by default (converted once):
-    int4 layers, an int8 table, tokenizer and config."""
-    return resolve_model(EMBEDDED_MODEL_ID, test_cache_dir).model_dir
+    """The embedded SmolLM2-135M-Instruct converted once into a folder (`swarmd shard`'s
+    input, the folder-loading tests): int4 layers, an int8 table, tokenizer and config. A
+    node reads the GGUF in place and holds the same bits (tests/unit/test_gguf_tensors.py)."""
+    return resolve_folder(EMBEDDED_MODEL_ID, test_cache_dir).model_dir
 
 
 @pytest.fixture(scope="session")
 def smollm_fp32_dir(test_cache_dir: Path) -> Path:
     """The embedded model dequantized to float32: a folder transformers loads as it
     loads the GGUF itself (the references of the exact path)."""
-    return resolve_model(EMBEDDED_MODEL_ID, test_cache_dir, "fp32").model_dir
+    return resolve_folder(EMBEDDED_MODEL_ID, test_cache_dir, "fp32").model_dir
 
 
 @dataclass

@@ -290,7 +290,7 @@ def _section_models(node: Node) -> str:
 
 def _model_files(model: LoadedModel) -> list[str]:
     source = model.source
-    lines = [f"{model.model_id} from {source.model_dir}"]
+    lines = [f"{model.model_id} from {source.gguf or source.model_dir}"]
     manifest = source.manifest
     if manifest is None:
         lines.append(

@@ -1,4 +1,5 @@
-"""Building a `LeanStage` from safetensors files, by a plain table of checkpoint names.
+"""Building a `LeanStage` from a model's tensors (safetensors files, or a GGUF file read
+in place), by a plain table of checkpoint names.
 
 Each matrix is read in its stored form (a float tensor, or int4 / int8 with their scales:
 see `model.quant`), converted to the format the node holds (`held_format`), fused with
@@ -21,7 +22,7 @@ from swarmd.engine.stage import ACT, Embedding, LayerWeights, LeanStage
 from swarmd.errors import ModelLoadError
 from swarmd.model import quant
 from swarmd.model.layers import LayerRange
-from swarmd.model.quant import Stored, StoredTensors, convert, stored_format
+from swarmd.model.quant import Stored, StoredTensors, TensorSource, convert, stored_format
 from swarmd.model.tensorfile import TensorReader
 
 # Our name -> the checkpoint name under model.layers.N. (matrices without ".weight")
@@ -51,15 +52,16 @@ def stored_formats(files: Iterable[Path]) -> set[str]:
 
 
 def load_lean_stage(
-    files: list[Path],
+    source: list[Path] | TensorSource,
     spec: ArchSpec,
     layers: LayerRange,
     weights: str,
     dtype: torch.dtype,
 ) -> LeanStage:
-    """The stage for `layers` from `files`, its matrices held as `weights` (or auto)."""
+    """The stage for `layers` from `source` (safetensors files, or tensors already open:
+    the caller closes those), its matrices held as `weights` (or auto)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    tensors = StoredTensors(files)
+    tensors = StoredTensors(source) if isinstance(source, list) else source
     try:
         blocks = [
             _layer(tensors, spec, i, weights, dtype, dtype_name)
@@ -74,7 +76,8 @@ def load_lean_stage(
             )  # type: ignore[arg-type]
             head = _head(tensors, spec, weights, dtype, dtype_name, embed)
     finally:
-        tensors.close()
+        if isinstance(source, list):
+            tensors.close()
     ropes = {kind: RopeTable(rope, spec.head_dim, ACT) for kind, rope in spec.rope.items()}
     return LeanStage(spec, layers, dtype, blocks, embed, norm, head, ropes)
 
@@ -98,7 +101,7 @@ def _convert(stored: Stored, weights: str, dtype_name: str) -> Stored:
 
 
 def _layer(
-    tensors: StoredTensors,
+    tensors: TensorSource,
     spec: ArchSpec,
     index: int,
     weights: str,
@@ -156,7 +159,7 @@ def _layer(
 
 
 def _table(
-    tensors: StoredTensors, name: str, spec: ArchSpec, weights: str, dtype_name: str
+    tensors: TensorSource, name: str, spec: ArchSpec, weights: str, dtype_name: str
 ) -> Stored:
     """The embeddings or the head as held: int8 under quantized layers (an int4 table is
     held int8 too: lookups read its rows), else the layers' rule."""
@@ -176,7 +179,7 @@ def _embedding(tensors: StoredTensors, spec: ArchSpec, weights: str, dtype_name:
 
 
 def _head(
-    tensors: StoredTensors,
+    tensors: TensorSource,
     spec: ArchSpec,
     weights: str,
     dtype: torch.dtype,

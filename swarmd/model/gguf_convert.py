@@ -33,6 +33,7 @@ from gguf.quants import dequantize
 from swarmd.dtypes import AUTO, QUANTIZED, WEIGHT_FORMATS, head_format, weights_label
 from swarmd.errors import ModelLoadError
 from swarmd.model import quant
+from swarmd.model.gguf_index import GgufEntry, entries_of
 from swarmd.model.tensorfile import TensorSpec, TensorWriter
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,9 @@ _ROW_CHUNK = 16384  # rows dequantized at a time (a 262k-token embedding stays s
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
+    """How one GGUF tensor is held: its checkpoint name, format and fix-ups."""
+
     gguf_name: str
     name: str  # the Hugging Face checkpoint name
     qtype: str  # the GGUF tensor type, e.g. "Q4_1"
@@ -123,38 +126,39 @@ def write_converted(gguf_path: Path, out: Path, weights: str) -> str:
     if weights != AUTO and weights not in WEIGHT_FORMATS:
         raise ModelLoadError(f"weights '{weights}' is not auto or one of {WEIGHT_FORMATS}")
     # Reading a GGUF's metadata is slow (28 s for Gemma 3's 262k-token vocabulary): once.
-    reader = _open(gguf_path)
+    reader = open_gguf(gguf_path)
     arch = gguf_architecture(gguf_path, reader)
-    _check_tensor_types(reader)  # refused before the slow config and tokenizer parse
-    config = _write_config_and_tokenizer(gguf_path, out, arch, reader)
-    plans = _plan(reader, config, arch, weights)
-    label = weights_label({p.fmt for p in plans if _is_layer_matrix(p)})
-    specs = [spec for plan in plans for spec in plan.specs()]
+    entries = entries_of(reader)
+    check_tensor_types(entries)  # refused before the slow config and tokenizer parse
+    config = write_config_and_tokenizer(gguf_path, out, arch, reader)
+    plans = plan(entries, config, arch, weights)
+    label = weights_label({p.fmt for p in plans if is_layer_matrix(p)})
+    specs = [spec for p in plans for spec in p.specs()]
     by_name = {t.name: t for t in reader.tensors}
     with TensorWriter(out / WEIGHTS_FILE, specs, {FORMAT_KEY: label}) as writer:
-        for plan in plans:
-            for name, tensor in _convert(plan, by_name[plan.gguf_name].data).items():
+        for p in plans:
+            for name, tensor in _convert(p, by_name[p.gguf_name].data).items():
                 writer.write(name, tensor)
     return label
 
 
-def _check_tensor_types(reader: GGUFReader) -> None:
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name not in AUTO_FORMATS:
+def check_tensor_types(entries: list[GgufEntry]) -> None:
+    for entry in entries:
+        if entry.qtype not in AUTO_FORMATS:
             raise ModelLoadError(
-                f"GGUF tensor '{tensor.name}' is {tensor.tensor_type.name}, which swarmd does "
+                f"GGUF tensor '{entry.name}' is {entry.qtype}, which swarmd does "
                 f"not run (it runs {', '.join(AUTO_FORMATS)})"
             )
 
 
-def _open(path: Path) -> GGUFReader:
+def open_gguf(path: Path) -> GGUFReader:
     try:
         return GGUFReader(str(path))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"Cannot read the GGUF file {path}: {exc}") from exc
 
 
-def _is_layer_matrix(plan: _Plan) -> bool:
+def is_layer_matrix(plan: Plan) -> bool:
     return len(plan.shape) == 2 and plan.name.startswith("model.layers.")
 
 
@@ -172,7 +176,10 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
     return f"model.layers.{index}.{suffix}" if suffix else None
 
 
-def _plan(reader: GGUFReader, config: dict[str, object], arch: str, weights: str) -> list[_Plan]:
+def plan(
+    entries: list[GgufEntry], config: dict[str, object], arch: str, weights: str
+) -> list[Plan]:
+    """Each tensor's plan under `weights` (auto: what the file is, Q4 blocks int4)."""
     model_type = str(config["model_type"])
     family = model_type.removesuffix("_text")
     heads = int(config["num_attention_heads"])  # type: ignore[call-overload]
@@ -180,20 +187,18 @@ def _plan(reader: GGUFReader, config: dict[str, object], arch: str, weights: str
     quantized_layers = weights in QUANTIZED or (
         weights == AUTO
         and any(
-            AUTO_FORMATS.get(t.tensor_type.name) in QUANTIZED
-            for t in reader.tensors
-            if t.name.startswith("blk.")
+            AUTO_FORMATS.get(t.qtype) in QUANTIZED for t in entries if t.name.startswith("blk.")
         )
     )
     plans = []
-    for tensor in reader.tensors:
-        qtype = tensor.tensor_type.name
+    for tensor in entries:
+        qtype = tensor.qtype
         if tensor.name == "rope_freqs.weight":
-            continue  # read into the config (rope_freq_factors) by _write_config_and_tokenizer
+            continue  # read into the config (rope_freq_factors) by write_config_and_tokenizer
         name = _hf_name(tensor.name, model_type)
         if name is None:
             raise ModelLoadError(f"GGUF tensor '{tensor.name}' has no place in a {family} model")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = tensor.shape
         if len(shape) == 1:
             fmt = "fp32"
         elif not name.startswith("model.layers."):  # embeddings, untied head
@@ -212,35 +217,41 @@ def _plan(reader: GGUFReader, config: dict[str, object], arch: str, weights: str
         elif arch == "llama" and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             permute = kv_heads
         minus_one = family == "gemma3" and "norm.weight" in tensor.name
-        plans.append(_Plan(tensor.name, name, qtype, shape, fmt, permute, minus_one))
+        plans.append(Plan(tensor.name, name, qtype, shape, fmt, permute, minus_one))
     return plans
 
 
-def _convert(plan: _Plan, data: np.ndarray) -> dict[str, torch.Tensor]:
+def _convert(plan: Plan, data: np.ndarray) -> dict[str, torch.Tensor]:
     """The stored tensors of one GGUF tensor in its planned format."""
+    return quant.file_tensors(plan.name, stored_matrix(plan, data))
+
+
+def stored_matrix(plan: Plan, data: np.ndarray) -> quant.Stored:
+    """One GGUF tensor (`data`: its bytes or values as gguf's reader shapes them) in its
+    planned format: Q4 blocks as int4 exactly, others requantized, floats as floats."""
     order = _unpermute_index(plan.shape[0], plan.permute_heads) if plan.permute_heads else None
     if plan.fmt == "int4" and plan.qtype in quant.INT4_EXACT_GGUF:
         weight = quant.int4_from_gguf(np.asarray(data), plan.qtype, plan.shape[1])
-        return quant.stored_tensors(plan.name, weight if order is None else weight.rows(order))
+        return weight if order is None else weight.rows(order)
     if plan.fmt in QUANTIZED:
         parts = [
             quant.quantize(_floats(plan, data[i : i + _ROW_CHUNK]), plan.fmt)
             for i in range(0, plan.shape[0], _ROW_CHUNK)
         ]
         weight = quant.cat_rows(parts)
-        return quant.stored_tensors(plan.name, weight if order is None else weight.rows(order))
+        return weight if order is None else weight.rows(order)  # type: ignore[union-attr]
     dense = _floats(plan, data)
     if order is not None:
         dense = dense[order]
     if plan.minus_one:
         dense = dense - 1.0
-    return {plan.name: dense.to(_DENSE_TORCH[plan.fmt]).contiguous()}
+    return dense.to(_DENSE_TORCH[plan.fmt]).contiguous()
 
 
 _DENSE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _floats(plan: _Plan, data: np.ndarray) -> torch.Tensor:
+def _floats(plan: Plan, data: np.ndarray) -> torch.Tensor:
     values = dequantize(np.asarray(data), GGMLQuantizationType[plan.qtype])
     return torch.from_numpy(np.array(values, dtype=np.float32))  # a copy: the file is read-only
 
@@ -251,7 +262,7 @@ def _unpermute_index(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
 
 
-def _write_config_and_tokenizer(
+def write_config_and_tokenizer(
     gguf_path: Path, out: Path, arch: str, reader: GGUFReader
 ) -> dict[str, object]:
     from transformers import AutoConfig, AutoTokenizer

@@ -32,9 +32,11 @@ from swarmd.dtypes import (
 )
 from swarmd.errors import ConfigError, ModelLoadError
 from swarmd.model.common import Variant, config_context_length, config_num_layers
+from swarmd.model.gguf_tensors import GgufTensors
 from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_grammar
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
+from swarmd.model.quant import StoredTensors, TensorSource
 from swarmd.model.runtime import Stage, trial_forward
 from swarmd.model.source import ModelSource
 from swarmd.model.text import TextCodec
@@ -124,24 +126,30 @@ def load_model(
     config = read_config(source)
     num_layers = int(config["num_hidden_layers"])
     layer_range = LayerRange.parse(layers, num_layers) if layers else LayerRange(0, num_layers)
-    files = _files(source, layer_range)  # a sharded model's: verified first
+    tensors = open_tensors(source, layer_range, weights)  # a sharded model's: verified first
     # The tokenizer before the weights: its parse peaks above what it keeps.
     codec = TextCodec.load(source.model_dir)
-    from swarmd.engine.load import stored_formats
-
-    stored = stored_formats(files)  # this range's
+    stored = _range_formats(tensors, layer_range)  # this range's
     # The whole model's formats decide the dtype and the label every holder announces, so
     # nodes holding different ranges of one model agree on both (routes compare them).
-    model_stored = label_formats(source.manifest.weights) if source.manifest else stored
+    if source.manifest is not None:
+        model_stored = label_formats(source.manifest.weights)
+    elif isinstance(tensors, GgufTensors):
+        model_stored = tensors.formats_of_layers(0, num_layers)
+    else:
+        model_stored = stored
     if dtype == AUTO:
         wanted = model_stored if weights == AUTO else {weights}
         dtype = default_compute_dtype(frozenset(wanted), cpu_capability())
     held = {held_format(fmt, weights, dtype) for fmt in stored or {"fp32"}}
     label = weights_label({held_format(fmt, weights, dtype) for fmt in model_stored or {"fp32"}})
     started = time.monotonic()
-    backend, stage, hidden = _load_stage(
-        source, config, files, layer_range, weights, held, stored, dtype
-    )
+    try:
+        backend, stage, hidden = _load_stage(
+            source, config, tensors, layer_range, weights, held, stored, dtype
+        )
+    finally:
+        tensors.close()
     try:
         # A stage that cannot run refuses to start here, not on every request once announced.
         trial_forward(stage)
@@ -169,6 +177,34 @@ def load_model(
     return model
 
 
+def open_tensors(source: ModelSource, layers: LayerRange, weights: str) -> TensorSource:
+    """The tensors of `layers`, each read when asked for: a GGUF file's in place, or the
+    safetensors files of a folder (a sharded model's verified first)."""
+    if source.gguf is not None:
+        return GgufTensors(source.gguf, source.model_dir, weights)
+    return StoredTensors(_files(source, layers))
+
+
+def model_formats(source: ModelSource) -> set[str]:
+    """The formats a model's layer matrices are stored in (read from headers only)."""
+    if source.manifest is not None:
+        return label_formats(source.manifest.weights)
+    if source.gguf is not None:
+        with GgufTensors(source.gguf, source.model_dir, AUTO) as tensors:
+            return tensors.formats_of_layers(0, config_num_layers(read_config(source)))
+    from swarmd.engine.load import stored_formats
+
+    return stored_formats(sorted(source.model_dir.glob("*.safetensors")))
+
+
+def _range_formats(tensors: TensorSource, layers: LayerRange) -> set[str]:
+    if isinstance(tensors, GgufTensors):
+        return tensors.formats_of_layers(layers.start, layers.end)
+    from swarmd.engine.load import stored_formats
+
+    return stored_formats(tensors.files)
+
+
 def _files(source: ModelSource, layers: LayerRange) -> list[Path]:
     """The weight files of `layers` (a sharded model's are verified first)."""
     if source.manifest is not None:
@@ -188,7 +224,7 @@ def _files(source: ModelSource, layers: LayerRange) -> list[Path]:
 def _load_stage(
     source: ModelSource,
     config: dict[str, Any],
-    files: list[Path],
+    tensors: TensorSource,
     layers: LayerRange,
     weights: str,
     held: set[str],
@@ -213,13 +249,15 @@ def _load_stage(
                 log.info("the engine does not cover %s: transformers modules run it", config)
             from swarmd.model.stage import load_stage
 
-            stage = load_stage(source.model_dir, _hf_config(config), layers, torch.float32, files)
+            stage = load_stage(
+                source.model_dir, _hf_config(config), layers, torch.float32, tensors=tensors
+            )
             return TRANSFORMERS, stage, torch.float32
     from swarmd.engine.load import load_lean_stage
     from swarmd.engine.stage import ACT
 
     spec = arch_spec(config)
-    stage = load_lean_stage(files, spec, layers, weights, getattr(torch, dtype))
+    stage = load_lean_stage(tensors, spec, layers, weights, getattr(torch, dtype))
     return ENGINE, stage, ACT
 
 

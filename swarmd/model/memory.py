@@ -99,7 +99,33 @@ def layer_weight_bytes(
         return [math.ceil(b * ratio) for b in manifest.layer_bytes()]
     if source is None:
         raise ModelLoadError("no model to size: neither a folder nor a manifest")
+    if source.gguf is not None:
+        return _gguf_layer_bytes(source.model_dir, weights, dtype)
     return _folder_layer_bytes(source.model_dir, weights, dtype)
+
+
+def _gguf_layer_bytes(meta: Path, weights: str, dtype: str) -> list[int]:
+    """Per-layer held bytes of a GGUF model, from its tensor index (no weights read)."""
+    from swarmd.model.gguf_convert import plan  # torch, gguf: only a node placing layers
+    from swarmd.model.gguf_index import read_index
+
+    config = json.loads((meta / "config.json").read_text())
+    num_layers = int(config["num_hidden_layers"])
+    architecture, entries = read_index(meta)
+    layer_of = {e.name: e.layer for e in entries}
+    out = [0] * num_layers
+    sizes: dict[str, int] = {}
+    for p in plan(entries, config, architecture, weights):
+        per = HELD_BYTES[held_format(p.fmt, weights, dtype)] if len(p.shape) == 2 else 4.0
+        sizes[p.name] = math.ceil(math.prod(p.shape) * per)
+        layer = layer_of.get(p.gguf_name)
+        if layer is None:  # the embeddings count in layer 0, the norm and the head last
+            layer = 0 if p.name == "model.embed_tokens.weight" else num_layers - 1
+        if 0 <= layer < num_layers:
+            out[layer] += sizes[p.name]
+    if "lm_head.weight" not in sizes:  # a tied head: the last stage holds its own copy
+        out[-1] += sizes.get("model.embed_tokens.weight", 0)
+    return out
 
 
 def _folder_layer_bytes(model_dir: Path, weights: str, dtype: str) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -260,11 +261,27 @@ def file_tensors(name: str, stored: Stored) -> dict[str, torch.Tensor]:
     return stored_tensors(name, stored)
 
 
+class TensorSource(Protocol):
+    """A model's tensors by checkpoint name, each read when asked for: safetensors files
+    (`StoredTensors`) or a GGUF file in place (`gguf_tensors.GgufTensors`)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...  # a float tensor (norms, biases)
+
+    def matrix(self, name: str) -> Stored: ...  # a matrix, in its stored form
+
+    def optional(self, name: str) -> torch.Tensor | None: ...
+
+    def close(self) -> None: ...
+
+
 class StoredTensors:
     """The tensors of a set of safetensors files, by name, each read when asked for; a
     quantized matrix is found and read by its own name."""
 
     def __init__(self, files: list[Path] | tuple[Path, ...]) -> None:
+        self.files = list(files)
         self._readers = [TensorReader(f) for f in files]
         self._where = {name: r for r in self._readers for name in r.names()}
 

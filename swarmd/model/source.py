@@ -1,15 +1,19 @@
 """Finding a model on disk: the embedded default, a GGUF file, a Hugging Face folder or a
 sharded model (a folder with `manifest.json`, or the manifest file itself).
 
-Every source ends up as a folder. A GGUF file is converted once per weight format into
-the user's cache directory (`gguf_convert`), under a lock, so the next start (of this node
-or of another local node) loads in about a second. A sharded model's folder is used as it
-is, with its manifest.
+Every source ends up as a folder of config and tokenizer. A GGUF file's weights stay in
+the file: its folder (`prepare_gguf`, once per file header, in the user's cache, under a
+lock) holds only what transformers reads from the header (config, tokenizer) and the
+tensor index, and a node maps its own layers' bytes from the file itself
+(`gguf_tensors`). `convert_gguf` still writes a whole converted copy, for `swarmd shard`
+and for the exact (transformers) path. A sharded model's folder is used as it is, with
+its manifest.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -21,11 +25,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from swarmd.dtypes import AUTO
 from swarmd.errors import ManifestError, ModelLoadError, ModelNotFoundError
 from swarmd.model.hashing import file_sha256
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,8 @@ class ModelSource:
     model_id: str
     model_dir: Path  # Hugging Face layout (config.json, tokenizer, *.safetensors) or shards
     manifest: Manifest | None = None  # a sharded model: every file is checked against it
+    gguf: Path | None = None  # a GGUF file whose weights are read in place (model_dir: its
+    # metadata folder, config and tokenizer and the tensor index)
 
     @property
     def content_id(self) -> str:
@@ -61,12 +71,22 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def resolve_model(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSource:
-    """Turn a model id or path into a ready folder.
+def resolve_model(spec: str, cache_dir: Path) -> ModelSource:
+    """Turn a model id or path into a ready source: a GGUF file read in place (with its
+    metadata folder), a sharded model, or a Hugging Face folder."""
+    if spec == EMBEDDED_MODEL_ID:
+        path = embedded_gguf_path()
+        return ModelSource(EMBEDDED_MODEL_ID, prepare_gguf(path, cache_dir), gguf=path)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        path = path.resolve()
+        return ModelSource(_id_from_name(path.stem), prepare_gguf(path, cache_dir), gguf=path)
+    return resolve_folder(spec, cache_dir)
 
-    `weights`: for a GGUF file, the format its converted copy holds (each format is
-    converted once and cached); other sources are converted at load if need be.
-    """
+
+def resolve_folder(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSource:
+    """`resolve_model`, with a GGUF file converted once into a folder of `weights`
+    (safetensors): for `swarmd shard` and the exact path, which read folders."""
     if spec == EMBEDDED_MODEL_ID:
         return ModelSource(
             EMBEDDED_MODEL_ID, convert_gguf(embedded_gguf_path(), cache_dir, weights)
@@ -137,6 +157,79 @@ def convert_gguf(gguf: Path, cache_dir: Path, weights: str = AUTO) -> Path:
     return target
 
 
+def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """The metadata folder of a GGUF file: config, tokenizer and tensor index, written
+    once per file header (the weights are never copied). Named by a hash of the header,
+    which is all it is made from, so reading it never reads the weights."""
+    from swarmd.model.gguf_convert import (  # gguf, transformers: only for a new file
+        check_tensor_types,
+        gguf_architecture,
+        open_gguf,
+        write_config_and_tokenizer,
+    )
+    from swarmd.model.gguf_index import entries_of, write_index
+
+    models = cache_dir / "models"
+    stat = gguf.stat()
+    key = f"header|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = models / "gguf-digests.json"
+    digest = _read_memo(memo).get(key)
+    reader = None
+    if not (isinstance(digest, str) and len(digest) == 64):
+        reader = open_gguf(gguf)
+        digest = _header_digest(gguf, reader)
+        _remember(memo, models, key, digest)
+    target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-meta"
+    if (target / _DONE_MARKER).exists():
+        return target
+    with exclusive(models / f"{target.name}.lock"):
+        if (target / _DONE_MARKER).exists():
+            return target
+        started = time.monotonic()
+        scratch = Path(tempfile.mkdtemp(prefix=".meta-", dir=models))
+        try:
+            reader = reader or open_gguf(gguf)
+            architecture = gguf_architecture(gguf, reader)
+            entries = entries_of(reader)
+            check_tensor_types(entries)
+            write_config_and_tokenizer(gguf, scratch, architecture, reader)
+            write_index(scratch, architecture, entries)
+            (scratch / _DONE_MARKER).write_text(digest + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(scratch, target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        log.info(
+            "read %s's header once (config, tokenizer, %d tensors) in %.1f s, into %s",
+            gguf.name,
+            len(entries),
+            time.monotonic() - started,
+            target,
+        )
+    return target
+
+
+def _header_digest(gguf: Path, reader: GGUFReader) -> str:
+    """SHA-256 of the file's size and header (metadata and tensor index, up to the first
+    tensor's bytes): all that the metadata folder is made from."""
+    size = gguf.stat().st_size
+    end = min((int(t.data_offset) for t in reader.tensors), default=size)
+    hasher = hashlib.sha256(f"{size}|".encode())
+    with gguf.open("rb") as handle:
+        hasher.update(handle.read(end))
+    return hasher.hexdigest()
+
+
+def _remember(memo: Path, models: Path, key: str, digest: str) -> None:
+    models.mkdir(parents=True, exist_ok=True)
+    with exclusive(models / "gguf-digests.lock"):
+        current = {**_read_memo(memo), key: digest}  # read again: another node may have added
+        scratch = memo.with_suffix(".tmp")
+        scratch.write_text(json.dumps(current, indent=1) + "\n")
+        os.replace(scratch, memo)
+
+
 def _gguf_digest(gguf: Path, models: Path) -> str:
     """The file's SHA-256, remembered by path, size and mtime: hashing a 4 GB file on
     every start would cost seconds."""
@@ -147,12 +240,7 @@ def _gguf_digest(gguf: Path, models: Path) -> str:
     if isinstance(digest, str) and len(digest) == 64:
         return digest
     digest = file_sha256(gguf)
-    models.mkdir(parents=True, exist_ok=True)
-    with exclusive(models / "gguf-digests.lock"):
-        current = {**_read_memo(memo), key: digest}  # read again: another node may have added
-        scratch = memo.with_suffix(".tmp")
-        scratch.write_text(json.dumps(current, indent=1) + "\n")
-        os.replace(scratch, memo)
+    _remember(memo, models, key, digest)
     return digest
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -23,6 +24,9 @@ from swarmd.model.families import family_for
 from swarmd.model.layers import LayerRange
 from swarmd.model.rows import Row
 from swarmd.model.tensorfile import tensor_files
+
+if TYPE_CHECKING:
+    from swarmd.model.quant import TensorSource
 
 
 class StageModule(nn.Module):
@@ -232,12 +236,16 @@ def load_stage(
     layers: LayerRange,
     dtype: torch.dtype,
     only: list[Path] | None = None,
+    tensors: TensorSource | None = None,
 ) -> StageModule:
     """Build the stage for `layers` and read only its tensors from `model_dir`.
 
-    `only`: the files to read (a sharded model's shards for this range).
+    `only`: the files to read (a sharded model's shards for this range); `tensors`: read
+    from these instead (a GGUF file in place, planned as float32).
     """
     stage = StageModule(config, layers)
+    if tensors is not None:
+        return _load_from(stage, config, layers, dtype, tensors)
     files = tensor_files(model_dir, only)
     names = stage_weight_names(stage, config, has_head="lm_head.weight" in files)
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -250,6 +258,26 @@ def load_stage(
         with safe_open(str(file), framework="pt") as handle:
             for stage_name, ckpt_name in pairs:
                 state[stage_name] = handle.get_tensor(ckpt_name).to(dtype)
+    return _assign(stage, layers, state)
+
+
+def _load_from(
+    stage: StageModule,
+    config: PretrainedConfig,
+    layers: LayerRange,
+    dtype: torch.dtype,
+    tensors: TensorSource,
+) -> StageModule:
+    names = stage_weight_names(stage, config, has_head="lm_head.weight" in tensors)
+    state: dict[str, torch.Tensor] = {}
+    for stage_name, ckpt_name in names.items():
+        if ckpt_name not in tensors:
+            raise ModelLoadError(f"Tensor '{ckpt_name}' is missing from the model's file")
+        state[stage_name] = tensors.get(ckpt_name).to(dtype)
+    return _assign(stage, layers, state)
+
+
+def _assign(stage: StageModule, layers: LayerRange, state: dict[str, torch.Tensor]) -> StageModule:
     stage.load_state_dict(state, strict=False, assign=True)
     meta = [n for n, p in stage.named_parameters() if p.is_meta]
     if meta:

@@ -1,0 +1,160 @@
+"""A GGUF file's weights read in place: the same bits as a converted copy, no weights
+written anywhere, and a range-only node touches (and depends on) only its own bytes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarmd.engine.arch import arch_spec
+from swarmd.engine.load import load_lean_stage
+from swarmd.model.gguf_index import read_index
+from swarmd.model.layers import LayerRange
+from swarmd.model.loader import load_model, open_tensors, read_config
+from swarmd.model.memory import layer_weight_bytes
+from swarmd.model.source import ModelSource, resolve_folder, resolve_model
+from tests.gguf_files import SHAPES, write_llama_gguf
+
+# Block-type mixes of the files under test: every type swarmd reads.
+MIXES = {
+    "q4_0": {},
+    "q4_1+q8_0": {"attn_v.weight": "Q8_0", "token_embd.weight": "Q4_1", "ffn_up.weight": "Q4_1"},
+    "k-quants": {
+        "ffn_down.weight": "Q6_K",
+        "ffn_up.weight": "Q4_K",
+        "ffn_gate.weight": "Q5_K",
+        "output.weight": "Q6_K",
+    },
+    "q5+f16": {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1", "attn_output.weight": "F16"},
+}
+PROMPT = torch.tensor([[1, 520, 2432, 314, 5, 77, 99, 1024, 4000]])
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(in place, converted): each file's header is read once per module (its tokenizer
+    parse takes seconds), each conversion made once."""
+    return tmp_path_factory.mktemp("in-place"), tmp_path_factory.mktemp("converted")
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("gguf")
+    return write_llama_gguf(folder / f"{request.param}.gguf", SHAPES["tiny"], MIXES[request.param])
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An all-Q4_0 file (the shape of most GGUFs people run) with a Q6_K down projection."""
+    folder = tmp_path_factory.mktemp("plain")
+    return write_llama_gguf(folder / "m.gguf", SHAPES["tiny"], {"ffn_down.weight": "Q6_K"})
+
+
+def _run(stage: object, chunk: torch.Tensor) -> torch.Tensor:
+    cache = stage.new_cache(32)  # type: ignore[attr-defined]
+    with torch.inference_mode():
+        return stage(chunk, cache)  # type: ignore[operator,no-any-return]
+
+
+def _cache_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_in_place_gives_the_bits_of_a_converted_copy(gguf: Path, caches: tuple[Path, Path]) -> None:
+    _same_bits(gguf, caches, "auto")
+
+
+def test_in_place_under_explicit_weights_gives_the_converted_bits(
+    plain: Path, caches: tuple[Path, Path]
+) -> None:
+    _same_bits(plain, caches, "int8")
+
+
+def _same_bits(gguf: Path, caches: tuple[Path, Path], weights: str) -> None:
+    in_place = resolve_model(str(gguf), caches[0])
+    assert in_place.gguf == gguf.resolve()
+    converted = resolve_folder(str(gguf), caches[1], weights)
+    for layers in (None, "2:4"):
+        a = load_model(in_place, layers, weights)
+        b = load_model(converted, layers, weights)
+        assert (a.weights, a.dtype_name, a.layers) == (b.weights, b.dtype_name, b.layers)
+        chunk = PROMPT if a.layers.start == 0 else torch.randn(1, 9, a.hidden_size)
+        chunk = chunk if a.layers.start == 0 else chunk.to(a.hidden_dtype)
+        assert torch.equal(_run(a.stage, chunk), _run(b.stage, chunk))
+
+
+def test_no_weights_are_written(plain: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    model = load_model(resolve_model(str(plain), cache), None)
+    assert torch.isfinite(_run(model.stage, PROMPT).float()).all()
+    assert not list(cache.rglob("*.safetensors"))
+    # config, tokenizer (SmolLM2's: about 3.5 MB), the index: none of the 20 MB of weights
+    assert _cache_bytes(cache) < 0.3 * plain.stat().st_size
+
+
+def test_the_exact_path_reads_the_file_in_place(tmp_path: Path) -> None:
+    gguf = write_llama_gguf(tmp_path / "f32.gguf", SHAPES["tiny"], default="F32")
+    in_place = load_model(resolve_model(str(gguf), tmp_path / "a"), "1:4", "fp32", "float32")
+    converted = load_model(
+        resolve_folder(str(gguf), tmp_path / "b", "fp32"), "1:4", "fp32", "float32"
+    )
+    assert in_place.backend == converted.backend == "transformers"
+    hidden = torch.randn(1, 5, in_place.hidden_size)
+    assert torch.equal(_run(in_place.stage, hidden), _run(converted.stage, hidden))
+
+
+def _spans_of(source: ModelSource, layers: LayerRange) -> set[str]:
+    """The GGUF tensors whose bytes loading `layers` read."""
+    config = read_config(source)
+    tensors = open_tensors(source, layers, "auto")
+    try:
+        load_lean_stage(tensors, arch_spec(config), layers, "auto", torch.bfloat16)
+        spans = set(tensors.spans)  # type: ignore[attr-defined]
+    finally:
+        tensors.close()
+    _, entries = read_index(source.model_dir)
+    return {e.name for e in entries if (e.offset, e.nbytes) in spans}
+
+
+def test_a_range_reads_only_its_own_tensors(plain: Path, caches: tuple[Path, Path]) -> None:
+    source = resolve_model(str(plain), caches[0])
+    middle = _spans_of(source, LayerRange(1, 3))
+    assert middle and all(name.startswith(("blk.1.", "blk.2.")) for name in middle)
+    first = _spans_of(source, LayerRange(0, 1))
+    assert "token_embd.weight" in first and "output.weight" not in first
+    assert not any(name.startswith("blk.1.") for name in first)
+    last = _spans_of(source, LayerRange(3, 4))
+    assert {"output.weight", "output_norm.weight"} <= last and "token_embd.weight" not in last
+
+
+def test_a_range_does_not_depend_on_other_bytes(
+    plain: Path, caches: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Garbage written over every tensor outside layers 1:3 changes nothing there."""
+    spoiled = tmp_path / "m.gguf"
+    shutil.copyfile(plain, spoiled)
+    source = resolve_model(str(plain), caches[0])
+    _, entries = read_index(source.model_dir)
+    with spoiled.open("r+b") as handle:
+        for entry in entries:
+            if entry.layer not in (1, 2):
+                handle.seek(entry.offset)
+                handle.write(b"\xff" * entry.nbytes)  # NaN scales, out-of-range blocks
+    hidden = torch.randn(1, 7, 256).to(torch.bfloat16)
+    clean = load_model(source, "1:3")
+    # the same header: the same metadata folder, found without another parse
+    dirty = load_model(resolve_model(str(spoiled), caches[0]), "1:3")
+    assert dirty.source.model_dir == source.model_dir
+    assert torch.equal(_run(clean.stage, hidden), _run(dirty.stage, hidden))
+
+
+def test_layer_sizes_match_a_converted_copy(gguf: Path, caches: tuple[Path, Path]) -> None:
+    in_place = resolve_model(str(gguf), caches[0])
+    converted = resolve_folder(str(gguf), caches[1])
+    for weights, dtype in (("auto", "bfloat16"), ("int8", "bfloat16"), ("fp32", "float32")):
+        assert layer_weight_bytes(in_place, None, weights, dtype) == layer_weight_bytes(
+            converted, None, weights, dtype
+        )
