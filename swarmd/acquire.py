@@ -29,11 +29,17 @@ from swarmd.config import Config
 from swarmd.dht.records import NodeRecord
 from swarmd.dht.swarm import SwarmPresence, SwarmSettings
 from swarmd.dtypes import AUTO, default_compute_dtype, label_formats
-from swarmd.errors import FetchError, ModelNotFoundError, SwarmError
+from swarmd.errors import FetchError, ModelLoadError, ModelNotFoundError, SwarmError
 from swarmd.model.hashing import missing_files
 from swarmd.model.layers import LayerRange
 from swarmd.model.manifest import MANIFEST_FILE, Manifest
-from swarmd.model.memory import available_memory_bytes, layer_weight_bytes
+from swarmd.model.memory import (
+    MIN_KV_TOKENS,
+    available_memory_bytes,
+    fit_error,
+    kv_bytes_per_token,
+    layer_weight_bytes,
+)
 from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, resolve_model
 from swarmd.net.identity import Identity
 from swarmd.net.progress import RichProgress
@@ -58,7 +64,40 @@ class Acquired:
 
 
 def acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
-    """The model source and layer range this node will load (blocking)."""
+    """The model source and layer range this node will load (blocking), refused when it
+    will not fit in memory."""
+    acquired = _acquire(config, identity, settings)
+    check_fits(config, acquired)
+    return acquired
+
+
+def check_fits(config: Config, acquired: Acquired) -> None:
+    """ModelLoadError with the numbers when the range's weights, the least KV cache and
+    the runtime floor exceed the memory budget (or what the machine has available)."""
+    from swarmd.model.loader import read_config
+
+    source = acquired.source
+    model_config = read_config(source)
+    per_layer = layer_weight_bytes(
+        source, source.manifest, config.weights, _dtype(config, source, source.manifest)
+    )
+    layers = (
+        LayerRange.parse(acquired.layers, len(per_layer))
+        if acquired.layers
+        else LayerRange(0, len(per_layer))
+    )
+    weights = sum(per_layer[layers.start : layers.end])
+    kv = kv_bytes_per_token(model_config, layers.size) * MIN_KV_TOKENS
+    if config.memory_budget_gb:
+        available, where = int(config.memory_budget_gb * 1e9), "the memory budget is"
+    else:
+        available, where = available_memory_bytes(), "this machine has available"
+    error = fit_error(f"layers {layers} of {source.model_id}", weights, kv, available, where)
+    if error is not None:
+        raise ModelLoadError(error)
+
+
+def _acquire(config: Config, identity: Identity, settings: SwarmSettings) -> Acquired:
     cache_dir = Path(config.cache_dir)
     local = _local_source(config.model, cache_dir)
     wants_auto = config.layers == "auto"

@@ -21,7 +21,7 @@ converted to the format the stage holds) into the kernel's form.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -211,8 +211,31 @@ class Int8Dot(_Quantized):
         return self._op(x, self.packed, self.scale)
 
 
+class Blocks(_Quantized):
+    """A GGUF Q4_0 / Q8_0 matrix in the file's own blocks, `blocks.cpp`'s kernel: held in
+    the file's bytes (Q4_0: 0.5625 bytes a weight, where torch's int4 form takes 0.625)."""
+
+    def __init__(
+        self, weight: quant.Blocks, bias: torch.Tensor | None, op: Callable[..., torch.Tensor]
+    ) -> None:
+        self.fmt = quant.BLOCK_FORMATS[weight.qtype]
+        self.data = weight.data.contiguous()  # uint8 [N, K / 32 * block bytes]
+        self.code = native.BLOCK_TYPES[weight.qtype]
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.out_features = int(self.data.shape[0])
+        self._op = op
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.data, self.code)
+
+
 def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -> Matrix:
     """The held matrix for a stored one (already in its target format)."""
+    if isinstance(stored, quant.Blocks):
+        op = native.blocks_op() if dtype == torch.bfloat16 else None
+        if op is not None:
+            return Blocks(stored, bias, op)
+        stored = quant.unblocked(stored)  # torch's (or swarmd's bf16-dot) kernels serve
     ops = native.ops() if dtype == torch.bfloat16 else None
     if isinstance(stored, quant.Int4):
         # a held int4 matrix always blocks (quant.int4_fits: torch's rule is the same)
@@ -243,8 +266,8 @@ class Projection:
         start = 0
         while start < len(parts):
             end = start + 1
-            fmt = stored_format(parts[start])
-            while end < len(parts) and stored_format(parts[end]) == fmt:
+            kind = _kind(parts[start])
+            while end < len(parts) and _kind(parts[end]) == kind:
                 end += 1
             chunk = parts[start:end]
             group_bias = biases[start:end]
@@ -291,9 +314,14 @@ class Projection:
         return {kind for m, _ in self.groups if (kind := quantized_kernel(m))}
 
 
+def _kind(stored: Stored) -> tuple[str, str]:
+    """What can share one fused call: the format, and the kept block type if any."""
+    return stored_format(stored), stored.qtype if isinstance(stored, quant.Blocks) else ""
+
+
 def quantized_kernel(matrix: Matrix) -> str | None:
     """ "swarmd" or "torch" for a quantized matrix; None for a float one."""
-    if isinstance(matrix, Int4Dot | Int8Dot):
+    if isinstance(matrix, Int4Dot | Int8Dot | Blocks):
         return "swarmd"
     return "torch" if isinstance(matrix, Int4 | Int8) else None
 

@@ -169,8 +169,16 @@ def _table(
     return convert(table, "int8") if isinstance(table, quant.Int4) else table
 
 
-def _embedding(tensors: StoredTensors, spec: ArchSpec, weights: str, dtype_name: str) -> Embedding:
-    table = _table(tensors, "model.embed_tokens.weight", spec, weights, dtype_name)
+def _embedding(tensors: TensorSource, spec: ArchSpec, weights: str, dtype_name: str) -> Embedding:
+    name = "model.embed_tokens.weight"
+    mapped = getattr(tensors, "rows", None)
+    rows = mapped(name) if mapped is not None else None
+    if rows is not None:
+        # A GGUF's table stays in the file: a token reads one row, decoded exactly as the
+        # file's blocks say, and the table's pages are the kernel's to drop (no copy held).
+        _shaped(name, rows, (spec.vocab, spec.hidden))  # type: ignore[arg-type]
+        return Embedding(None, None, spec.embed_scale, rows)
+    table = _table(tensors, name, spec, weights, dtype_name)
     if isinstance(table, quant.Int8):
         return Embedding(table.values, table.scale, spec.embed_scale)
     if not isinstance(table, torch.Tensor):
@@ -186,7 +194,7 @@ def _head(
     dtype_name: str,
     embed: Embedding | None,
 ) -> Matrix:
-    if embed is not None and spec.tie_embeddings:
+    if embed is not None and spec.tie_embeddings and embed.table is not None:
         # A tied head on a stage that also holds the table: one tensor serves both (a last
         # shard's lm_head.weight is a copy of it).
         if embed.scale is not None:

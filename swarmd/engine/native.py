@@ -1,5 +1,7 @@
 """swarmd's own CPU kernels: `bf16_dot.cpp` (int4 and int8 matmuls) and `attend.cpp`
-(attention over the KV caches), built with g++ against the installed torch into one library.
+(attention over the KV caches), built with g++ against the installed torch into one library
+for CPUs with avx512_bf16; and `blocks.cpp` (matmuls over GGUF's Q4_0 and Q8_0 blocks as the
+file holds them), a second library for any CPU with AVX2, FMA and F16C (`blocks_op`).
 
 Why hand-written kernels: torch's int4 and int8 CPU kernels turn each weight into float32
 and do one float32 FMA per multiply-add, so from 4 rows on they run at the FMA units'
@@ -46,6 +48,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("bf16_dot.cpp"), Path(__file__).with_name("attend.cpp"))
 CPU_FLAG = "avx512_bf16"  # as /proc/cpuinfo spells it
+BLOCKS_SOURCES = (Path(__file__).with_name("blocks.cpp"),)
+BLOCKS_CPU_FLAGS = ("avx2", "fma", "f16c")
+BLOCKS_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+BLOCKS_SCHEMA = "q_mm(Tensor x, Tensor blocks, int qtype) -> Tensor"
+BLOCK_TYPES = {"Q4_0": 0, "Q8_0": 1}  # blocks.cpp's qtype codes
 COLUMNS = 16  # output columns per block of the packed weights (bf16_dot.cpp's kCols)
 SCHEMAS = (  # as bf16_dot.cpp and attend.cpp define them
     "int4_bf16_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor",
@@ -71,6 +78,9 @@ _enabled = True
 _settled = False
 _ops: Ops | None = None
 _schema_only: torch.library.Library | None = None  # kept: dropping it unregisters the schema
+_blocks_settled = False
+_blocks_op: Callable[..., torch.Tensor] | None = None
+_blocks_schema: torch.library.Library | None = None
 
 
 def configure(enabled: bool) -> None:
@@ -89,12 +99,35 @@ def cache_folder() -> Path:
     return Path(platformdirs.user_cache_dir("swarmd")) / "native"
 
 
-def cpu_has_bf16_dot() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return CPU_FLAG in flags.split()
+        return set()
+
+
+def cpu_has_bf16_dot() -> bool:
+    return CPU_FLAG in _cpu_flags()
+
+
+def cpu_has_blocks() -> bool:
+    return set(BLOCKS_CPU_FLAGS) <= _cpu_flags()
+
+
+def blocks_op() -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.swarmd_blocks.q_mm` (x bfloat16 [M, K], blocks uint8 [N, bytes], qtype
+    code) -> bfloat16 [M, N], loaded (and built if need be), or None where it cannot run
+    (no AVX2/FMA/F16C, no g++, a failed build, or switched off like the other kernels)."""
+    global _blocks_settled, _blocks_op, _blocks_schema
+    with _lock:
+        if not _blocks_settled:
+            _blocks_op = _load_blocks() if _enabled else None
+            if _blocks_op is None:
+                # TorchScript resolves the op's name when it compiles the decode loop.
+                _blocks_schema = torch.library.Library("swarmd_blocks", "DEF")
+                _blocks_schema.define(BLOCKS_SCHEMA)
+            _blocks_settled = True
+        return _blocks_op
 
 
 def ops() -> Ops | None:
@@ -162,23 +195,37 @@ def attend(
     return torch.ops.swarmd.attend(q, new_kv, caches, layer, which, lo, hi, scale)
 
 
-def library_path(folder: Path) -> Path:
+def library_path(
+    folder: Path,
+    sources: tuple[Path, ...] = SOURCES,
+    flags: tuple[str, ...] = _ARCH_FLAGS,
+    stem: str = "bf16_dot",
+) -> Path:
     torch_dir = Path(torch.__file__).parent
     key = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in sources),
         torch.__version__.encode(),
-        " ".join(_ARCH_FLAGS).encode(),
+        " ".join(flags).encode(),
     ):
         key.update(part)
     key.update(str(torch_dir).encode())
-    return folder / f"bf16_dot-{key.hexdigest()[:16]}.so"
+    return folder / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(folder: Path) -> Path:
-    """The compiled op in `folder`, built now unless it is there. Raises OSError or
-    subprocess.CalledProcessError (with g++'s output) when it cannot be built."""
-    target = library_path(folder)
+def build_blocks(folder: Path) -> Path:
+    return build(folder, BLOCKS_SOURCES, BLOCKS_FLAGS, "blocks")
+
+
+def build(
+    folder: Path,
+    sources: tuple[Path, ...] = SOURCES,
+    flags: tuple[str, ...] = _ARCH_FLAGS,
+    stem: str = "bf16_dot",
+) -> Path:
+    """The compiled ops in `folder`, built now unless they are there. Raises OSError or
+    subprocess.CalledProcessError (with g++'s output) when they cannot be built."""
+    target = library_path(folder, sources, flags, stem)
     if target.exists():
         return target
     compiler = shutil.which("g++")
@@ -193,11 +240,11 @@ def build(folder: Path) -> Path:
     # torch's own libgomp (same soname as the system's): at::parallel_for's OpenMP regions
     # then share torch's thread pool instead of starting a second one.
     cmd = [
-        compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", *_ARCH_FLAGS,
+        compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", *flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-I", str(torch_dir / "include"),
         "-I", str(torch_dir / "include" / "torch" / "csrc" / "api" / "include"),
-        *(str(source) for source in SOURCES), "-o", str(partial),
+        *(str(source) for source in sources), "-o", str(partial),
         "-L", str(lib), "-lc10", "-ltorch_cpu", "-ltorch", f"-Wl,-rpath,{lib}",
         str(lib / "libgomp.so.1"),
     ]  # fmt: skip
@@ -232,8 +279,35 @@ def _load() -> Ops | None:
     return loaded
 
 
+def _load_blocks() -> Callable[..., torch.Tensor] | None:
+    if not cpu_has_blocks():
+        log.info("GGUF block kernels: none (this CPU lacks one of %s)", ", ".join(BLOCKS_CPU_FLAGS))
+        return None
+    try:
+        path = library_path(cache_folder(), BLOCKS_SOURCES, BLOCKS_FLAGS, "blocks")
+        if not path.exists():
+            log.info("building swarmd's GGUF block kernels once into %s", path.parent)
+            path = build_blocks(path.parent)
+        torch.ops.load_library(str(path))
+        op: Callable[..., torch.Tensor] = torch.ops.swarmd_blocks.q_mm
+    except subprocess.CalledProcessError as exc:
+        log.warning("GGUF block kernels: none (the build failed: %s)", exc.stderr.strip()[-500:])
+        return None
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        log.warning("GGUF block kernels: none (%s)", exc)
+        return None
+    log.info("GGUF block kernels: swarmd's (%s)", path.name)
+    return op
+
+
 def main() -> int:
     """`python -m swarmd.engine.native`: build the ops now (make install), or say why not."""
+    if cpu_has_blocks() and shutil.which("g++") is not None:
+        try:
+            print(f"swarmd GGUF block kernels: {build_blocks(cache_folder())}")
+        except subprocess.CalledProcessError as exc:
+            print(exc.stderr, file=sys.stderr)
+            return 1
     if not cpu_has_bf16_dot():
         print(f"swarmd kernels: not built (this CPU has no {CPU_FLAG}); torch's serve")
         return 0

@@ -17,7 +17,7 @@ a sliding window on most layers and embeddings scaled by sqrt(hidden).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,20 +55,30 @@ class LayerWeights:
 
 
 class Embedding:
-    """Token ids -> float32 rows, from a float table or int8 rows."""
+    """Token ids -> rows in the activations' dtype, from a float table, int8 rows, or rows
+    decoded from a GGUF file on demand (`rows`: the table stays in the file)."""
 
-    def __init__(self, table: torch.Tensor, scale: torch.Tensor | None, multiplier: float) -> None:
+    def __init__(
+        self,
+        table: torch.Tensor | None,
+        scale: torch.Tensor | None,
+        multiplier: float,
+        rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.table = table  # [V, H] float, or int8 with `scale` [V] (shared with a tied head)
         self.scale = scale  # float32 [V] for an int8 table
         self.multiplier = multiplier  # Gemma: sqrt(hidden)
         self.blocked = False  # the table is a tied Int8Dot head's (native.block_int8 layout)
+        self.rows = rows  # ids [...] -> float32 [..., H], read from the file
 
     def share_blocked(self, blocked: torch.Tensor) -> None:
         """Read rows from a tied head's blocked copy of the int8 table (one copy held)."""
         self.table, self.blocked = blocked, True
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.blocked:
+        if self.rows is not None:
+            rows = self.rows(ids).to(ACT)
+        elif self.blocked:
             rows = native.int8_rows(self.table, ids).to(ACT)  # [B, T, H]
         else:
             rows = F.embedding(ids, self.table).to(ACT)

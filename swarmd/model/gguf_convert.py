@@ -226,10 +226,14 @@ def _convert(plan: Plan, data: np.ndarray) -> dict[str, torch.Tensor]:
     return quant.file_tensors(plan.name, stored_matrix(plan, data))
 
 
-def stored_matrix(plan: Plan, data: np.ndarray) -> quant.Stored:
+def stored_matrix(plan: Plan, data: np.ndarray, keep_blocks: bool = False) -> quant.Stored:
     """One GGUF tensor (`data`: its bytes or values as gguf's reader shapes them) in its
-    planned format: Q4 blocks as int4 exactly, others requantized, floats as floats."""
+    planned format: Q4 blocks as int4 exactly, others requantized, floats as floats; with
+    `keep_blocks`, Q4_0 / Q8_0 matrices planned as int4 / int8 stay the file's blocks."""
     order = _unpermute_index(plan.shape[0], plan.permute_heads) if plan.permute_heads else None
+    if keep_blocks and len(plan.shape) == 2 and quant.BLOCK_FORMATS.get(plan.qtype) == plan.fmt:
+        blocks = quant.Blocks(plan.qtype, torch.from_numpy(np.array(data)), plan.shape[1])
+        return blocks if order is None else blocks.rows(order)
     if plan.fmt == "int4" and plan.qtype in quant.INT4_EXACT_GGUF:
         weight = quant.int4_from_gguf(np.asarray(data), plan.qtype, plan.shape[1])
         return weight if order is None else weight.rows(order)

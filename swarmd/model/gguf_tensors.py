@@ -13,6 +13,7 @@ test can prove that a range-only node touched only its range.
 from __future__ import annotations
 
 import json
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -29,18 +30,19 @@ class GgufTensors:
     """The tensors of one GGUF file under `weights` (auto or a format), each read when
     asked for. `meta`: the model's metadata folder (config.json and the tensor index)."""
 
-    def __init__(self, path: Path, meta: Path, weights: str) -> None:
+    def __init__(self, path: Path, meta: Path, weights: str, keep_blocks: bool = False) -> None:
         architecture, entries = read_index(meta)
         check_tensor_types(entries)
         config: dict[str, Any] = json.loads((meta / "config.json").read_text())
         self.path = path
         self._entries = {e.name: e for e in entries}
         self._plans = {p.name: p for p in plan(entries, config, architecture, weights)}
-        try:
-            self._map: np.ndarray | None = np.memmap(path, dtype=np.uint8, mode="r")
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"Cannot map the GGUF file {path}: {exc}") from exc
+        self._file: mmap.mmap | None = _map_file(path)
+        self._map: np.ndarray | None = np.frombuffer(self._file, dtype=np.uint8)
         self.spans: list[tuple[int, int]] = []  # (offset, length) of every tensor read
+        # Q4_0 / Q8_0 matrices as the file's blocks (`quant.Blocks`), for a kernel that
+        # reads them; set by the loader where that kernel runs.
+        self.keep_blocks = keep_blocks
 
     def __contains__(self, name: str) -> bool:
         return name in self._plans
@@ -68,7 +70,20 @@ class GgufTensors:
             raise ModelLoadError(f"{self.path} is closed")
         data = tensor_data(self._map, entry)
         self.spans.append((entry.offset, entry.nbytes))
-        return stored_matrix(plan_, data)
+        try:
+            return stored_matrix(plan_, data, self.keep_blocks)
+        finally:
+            del data
+            self._release(entry)
+
+    def rows(self, name: str) -> MappedRows | None:
+        """Matrix `name` as rows read from the file on demand (the embedding table: a
+        token reads one row), where its plan keeps it as it is in the file (no
+        permutation, no fix-up) and gguf can decode its type; else None."""
+        plan_ = self._plan(name)
+        if plan_.permute_heads or plan_.minus_one or len(plan_.shape) != 2:
+            return None
+        return MappedRows(self.path, self._entries[plan_.gguf_name])
 
     def get(self, name: str) -> torch.Tensor:
         stored = self.matrix(name)
@@ -80,8 +95,20 @@ class GgufTensors:
         return self.get(name) if name in self._plans else None
 
     def close(self) -> None:
-        # Dropping the map unmaps the file: its pages stop counting in this process.
+        # Unmapping the file: its pages stop counting in this process.
         self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _release(self, entry: GgufEntry) -> None:
+        """Drop a tensor's file pages from this process once it is held in its own form:
+        loading then peaks at what is held plus one tensor, not plus the whole range. The
+        pages stay in the page cache for the next start."""
+        if self._file is None:
+            return
+        start = entry.offset - entry.offset % mmap.PAGESIZE
+        self._file.madvise(mmap.MADV_DONTNEED, start, entry.offset + entry.nbytes - start)
 
     def __enter__(self) -> GgufTensors:
         return self
@@ -94,3 +121,43 @@ class GgufTensors:
         if found is None:
             raise ModelLoadError(f"Tensor '{name}' is missing from {self.path.name}")
         return found
+
+
+def _map_file(path: Path, offset: int = 0, length: int = 0) -> mmap.mmap:
+    try:
+        with path.open("rb") as handle:
+            return mmap.mmap(handle.fileno(), length, access=mmap.ACCESS_READ, offset=offset)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Cannot map the GGUF file {path}: {exc}") from exc
+
+
+class MappedRows:
+    """Rows of one GGUF matrix, decoded to float32 when asked for: an embedding table that
+    stays in the file (its pages are the kernel's to drop) instead of a copy in memory."""
+
+    def __init__(self, path: Path, entry: GgufEntry) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.qtype = GGMLQuantizationType[entry.qtype]
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        self.shape = entry.shape
+        self.row_bytes = entry.shape[1] // block * size
+        start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
+        self._file = _map_file(path, start, entry.offset + entry.nbytes - start)
+        skip = entry.offset - start
+        self._rows = np.frombuffer(self._file, dtype=np.uint8)[skip:].reshape(
+            entry.shape[0], self.row_bytes
+        )
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [*ids.shape, K]: the rows of `ids` as the file's blocks decode."""
+        from gguf.quants import dequantize
+
+        flat = ids.reshape(-1).numpy()
+        raw = self._rows[flat]  # a copy of just these rows
+        if self.qtype.name in ("F32", "F16"):
+            values = raw.view(np.float32 if self.qtype.name == "F32" else np.float16)
+        else:
+            values = dequantize(raw, self.qtype)
+        out = torch.from_numpy(np.asarray(values, dtype=np.float32))
+        return out.reshape(*ids.shape, self.shape[1])

@@ -141,6 +141,8 @@ def load_model(
     if dtype == AUTO:
         wanted = model_stored if weights == AUTO else {weights}
         dtype = default_compute_dtype(frozenset(wanted), cpu_capability())
+    if isinstance(tensors, GgufTensors) and dtype == "bfloat16":
+        tensors.keep_blocks = blocks_kernel()
     held = {held_format(fmt, weights, dtype) for fmt in stored or {"fp32"}}
     label = weights_label({held_format(fmt, weights, dtype) for fmt in model_stored or {"fp32"}})
     started = time.monotonic()
@@ -183,6 +185,14 @@ def open_tensors(source: ModelSource, layers: LayerRange, weights: str) -> Tenso
     if source.gguf is not None:
         return GgufTensors(source.gguf, source.model_dir, weights)
     return StoredTensors(_files(source, layers))
+
+
+def blocks_kernel() -> bool:
+    """Whether Q4_0 / Q8_0 matrices run on swarmd's block kernel here (held as the file's
+    blocks), rather than as torch's int4 / int8 forms."""
+    from swarmd.engine import native
+
+    return native.blocks_op() is not None
 
 
 def model_formats(source: ModelSource) -> set[str]:

@@ -34,6 +34,10 @@ HELD_BYTES = {"int4": 0.5 + 4 / INT4_GROUP, "int8": 1.0, "bf16": 2.0, "fp16": 2.
 
 
 KV_BYTES = 4  # the engine's and transformers' caches are float32
+MIN_KV_TOKENS = 512  # a node that cannot cache this many tokens of its layers is refused
+# What a serving node holds besides weights and KV caches (measured on the embedded model
+# at 0.8: the interpreter, torch, the tokenizer, libp2p, aiohttp): 0.5-0.6 GB.
+RUNTIME_FLOOR_BYTES = 600_000_000
 KV_SHARE_OF_FREE = 0.5  # of the memory free after loading, what the KV budget may take
 MAX_KV_BUDGET_TOKENS = 1 << 24
 
@@ -44,6 +48,22 @@ def kv_bytes_per_token(config: dict[str, Any], layers: int) -> int:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     return max(1, layers) * 2 * kv_heads * head_dim * KV_BYTES
+
+
+def fit_error(
+    what: str, weights_bytes: int, kv_bytes: int, available: int, where: str
+) -> str | None:
+    """Why a range does not fit (weights + the least KV + the runtime floor > what is
+    available), naming every number; None when it fits."""
+    needed = weights_bytes + kv_bytes + RUNTIME_FLOOR_BYTES
+    if needed <= available:
+        return None
+    return (
+        f"{what} needs {needed / 1e9:.2f} GB (weights {weights_bytes / 1e9:.2f} GB + KV cache "
+        f"for {MIN_KV_TOKENS} tokens {kv_bytes / 1e9:.2f} GB + runtime "
+        f"{RUNTIME_FLOOR_BYTES / 1e9:.1f} GB), {where} {available / 1e9:.2f} GB: serve fewer "
+        "layers (--layers A:B, or --layers auto to pick a range that fits)"
+    )
 
 
 def auto_kv_budget_tokens(bytes_per_token: int) -> int:
@@ -119,8 +139,10 @@ def _gguf_layer_bytes(meta: Path, weights: str, dtype: str) -> list[int]:
         per = HELD_BYTES[held_format(p.fmt, weights, dtype)] if len(p.shape) == 2 else 4.0
         sizes[p.name] = math.ceil(math.prod(p.shape) * per)
         layer = layer_of.get(p.gguf_name)
-        if layer is None:  # the embeddings count in layer 0, the norm and the head last
-            layer = 0 if p.name == "model.embed_tokens.weight" else num_layers - 1
+        if p.name == "model.embed_tokens.weight":
+            continue  # read from the file row by row (engine.load): no copy held
+        if layer is None:  # the final norm and the head count in the last layer
+            layer = num_layers - 1
         if 0 <= layer < num_layers:
             out[layer] += sizes[p.name]
     if "lm_head.weight" not in sizes:  # a tied head: the last stage holds its own copy

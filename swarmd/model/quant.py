@@ -57,8 +57,28 @@ class Int8:
         return Int8(self.values[index], self.scale[index])
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A GGUF matrix kept in the file's own blocks (Q4_0: 18 bytes per 32 weights, Q8_0:
+    34), for a kernel that reads them as they are (`engine/blocks.cpp`). Stands for the
+    same matrix as the int4 (Q4_0) or int8 (Q8_0) form of its values."""
+
+    qtype: str  # "Q4_0" | "Q8_0"
+    data: torch.Tensor  # uint8 [N, K / 32 * block bytes]
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.data.shape[0]), self.k
+
+    def rows(self, index: torch.Tensor | slice) -> Blocks:
+        return Blocks(self.qtype, self.data[index], self.k)
+
+
+BLOCK_FORMATS = {"Q4_0": "int4", "Q8_0": "int8"}  # what each kept block type stands for
+
 Quantized = Int4 | Int8
-Stored = torch.Tensor | Int4 | Int8  # a matrix as files hold it: floats, or quantized
+Stored = torch.Tensor | Int4 | Int8 | Blocks  # a matrix as files hold it: floats, or quantized
 
 
 def cat_rows(parts: list[Stored] | tuple[Stored, ...]) -> Stored:
@@ -66,6 +86,9 @@ def cat_rows(parts: list[Stored] | tuple[Stored, ...]) -> Stored:
     first = parts[0]
     if len(parts) == 1:
         return first
+    if isinstance(first, Blocks):
+        pb = [p for p in parts if isinstance(p, Blocks)]
+        return Blocks(first.qtype, torch.cat([p.data for p in pb]), first.k)
     if isinstance(first, Int4):
         p4 = [p for p in parts if isinstance(p, Int4)]
         return Int4(
@@ -128,8 +151,14 @@ def quantize(weight: torch.Tensor, fmt: str) -> Quantized:
     return quantize_int4(weight) if fmt == "int4" else quantize_int8(weight)
 
 
-def dequantize(weight: Quantized) -> torch.Tensor:
+def dequantize(weight: Quantized | Blocks) -> torch.Tensor:
     """The float32 matrix a quantized one stands for (callers hold it: one matrix)."""
+    if isinstance(weight, Blocks):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        values = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType[weight.qtype])
+        return torch.from_numpy(np.asarray(values, dtype=np.float32))
     if isinstance(weight, Int8):
         return weight.values.float() * weight.scale.unsqueeze(1)
     n, k = weight.shape
@@ -139,6 +168,8 @@ def dequantize(weight: Quantized) -> torch.Tensor:
 
 def stored_format(stored: Stored) -> str:
     """int4 | int8 | fp32 | bf16 | fp16."""
+    if isinstance(stored, Blocks):
+        return BLOCK_FORMATS[stored.qtype]
     if isinstance(stored, Int4):
         return "int4"
     if isinstance(stored, Int8):
@@ -254,8 +285,25 @@ def stored_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec
     return [TensorSpec(name, _DENSE_TAGS[fmt], shape)]
 
 
+def unblocked(stored: Stored) -> Stored:
+    """Kept blocks as the int4 (Q4_0, exactly) or int8 (Q8_0, requantized per row) form of
+    their values, for torch's kernels and files; anything else as it is."""
+    if not isinstance(stored, Blocks):
+        return stored
+    if stored.qtype == "Q4_0":
+        return int4_from_gguf(stored.data.numpy(), "Q4_0", stored.k)
+    rows = int(stored.data.shape[0])
+    return cat_rows(
+        [
+            quantize_int8(dequantize(stored.rows(slice(i, i + ROW_CHUNK))))
+            for i in range(0, rows, ROW_CHUNK)
+        ]
+    )
+
+
 def file_tensors(name: str, stored: Stored) -> dict[str, torch.Tensor]:
     """`stored_tensors` for any stored matrix (a dense one is itself)."""
+    stored = unblocked(stored)
     if isinstance(stored, torch.Tensor):
         return {name: stored}
     return stored_tensors(name, stored)

@@ -159,3 +159,15 @@ def test_a_gguf_swarmd_cannot_run_is_refused_at_start(
     assert "serving" not in result.stdout
     converted = [p for p in (cache / "models").iterdir() if p.is_dir()]
     assert converted == []  # nothing half-converted is left to be served later
+
+
+def test_a_range_that_does_not_fit_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    result = run_cli(
+        "run", "--layers", "0:30", "--memory-budget", "0.2",
+        "--data-dir", str(tmp_path / "d"), "--cache-dir", str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "layers 0:30 of smollm2-135m-instruct needs" in result.stderr
+    assert "the memory budget is 0.20 GB" in result.stderr
+    assert "KV cache for 512 tokens" in result.stderr and "Traceback" not in result.stderr
+    assert "serving" not in result.stdout

@@ -282,3 +282,15 @@ def test_held_ranges_past_the_model_are_ignored():
 def test_bad_arguments_are_value_errors(num_layers, layer_bytes, budget):
     with pytest.raises(ValueError):
         choose_layers(num_layers, layer_bytes, [], budget)
+
+
+def test_a_range_that_does_not_fit_names_every_number() -> None:
+    from swarmd.model.memory import RUNTIME_FLOOR_BYTES, fit_error
+
+    fits = fit_error("layers [0:4) of m", 1_000_000_000, 100_000_000, 2_000_000_000, "x")
+    assert fits is None
+    available = 1_000_000_000 + 100_000_000 + RUNTIME_FLOOR_BYTES - 1
+    error = fit_error("layers [0:4) of m", 1_000_000_000, 100_000_000, available, "it has")
+    assert error is not None
+    assert "layers [0:4) of m needs 1.70 GB (weights 1.00 GB + KV cache" in error
+    assert "it has 1.70 GB" in error

@@ -1,0 +1,172 @@
+// swarmd_blocks::q_mm: a matmul over GGUF's Q4_0 and Q8_0 blocks as the file holds them, on
+// AVX2 (engine/native.py builds and loads it; linear.Blocks calls it).
+//
+// Why: torch's int4 kernel needs a bfloat16 scale AND zero per group of 32 (4 bytes), where
+// Q4_0 has one fp16 scale (2 bytes) and a zero that is always 0: held in torch's form a
+// Q4_0 model takes 1.11x the file's bytes, and decode of a model bigger than the caches
+// reads every held byte once a token. These blocks are the file's own bytes (18 per 32
+// weights for Q4_0, 34 for Q8_0), so a node holds and reads what the file holds.
+//
+// How (ggml's own method for these blocks): each row of activations is quantized to 8 bits
+// per block of 32 with one float32 scale (round to nearest even), then each block's dot
+// product is summed in integers (`vpmaddubsw` + `vpmaddwd`: exact) and scaled once by
+// d_weight * d_activation in float32.
+//
+// Exactness under batching: each (row, output) sum runs over K in one fixed order in its own
+// accumulators; threads split the output rows of the weights (N), never K. So a row's bits
+// are the same alone and in any batch, on any number of threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQ4Bytes = 18;  // fp16 d, then 16 bytes: value j low nibble, j + 16 high
+constexpr int64_t kQ8Bytes = 34;  // fp16 d, then 32 int8 values
+constexpr int64_t kRows = 4;      // activation rows sharing one pass over a weight row
+
+inline float bf16_to_float(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float fp16_at(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 32 signed weights of one block, as int8
+template <int Q>
+inline __m256i weights_of(const uint8_t* block) {
+    if constexpr (Q == 0) {
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+        const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+        return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)),
+                               _mm256_set1_epi8(8));
+    } else {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    }
+}
+
+// sum over the block of w_k * a_k, in 8 int32 lanes, as float32 (exact: |sum| < 2^24)
+inline __m256 dot_block(__m256i w, __m256i a) {
+    const __m256i abs_w = _mm256_sign_epi8(w, w);
+    const __m256i signed_a = _mm256_sign_epi8(a, w);
+    const __m256i pairs = _mm256_maddubs_epi16(abs_w, signed_a);  // |w| <= 128, |a| <= 127
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// R rows of activations (qa: int8 [R][K], da: float [R][K/32]) against one weight row
+template <int Q, int R>
+inline void row_dot(const uint8_t* w, const int8_t* qa, const float* da, int64_t K,
+                    float* out, int64_t out_stride) {
+    constexpr int64_t bytes = Q == 0 ? kQ4Bytes : kQ8Bytes;
+    const int64_t groups = K / kGroup;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* block = w + g * bytes;
+        const __m256i qw = weights_of<Q>(block);
+        const float dw = fp16_at(block);
+        for (int r = 0; r < R; ++r) {
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qa + r * K + g * kGroup));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * da[r * groups + g]), dot_block(qw, a), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
+}
+
+// activations [M, K] bfloat16 -> int8 [M, K] and a float32 scale per block of 32
+void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d) {
+    const int64_t groups = K / kGroup;
+    for (int64_t i = 0; i < M * groups; ++i) {
+        const uint16_t* src = x + i * kGroup;
+        float values[kGroup];
+        float amax = 0.0f;
+        for (int64_t k = 0; k < kGroup; ++k) {
+            values[k] = bf16_to_float(src[k]);
+            amax = std::max(amax, std::fabs(values[k]));
+        }
+        const float scale = amax / 127.0f;
+        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+        for (int64_t k = 0; k < kGroup; ++k) {
+            q[i * kGroup + k] = static_cast<int8_t>(std::nearbyint(values[k] * inverse));
+        }
+        d[i] = scale;
+    }
+}
+
+template <int Q>
+void each_row(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
+              int64_t M, int64_t K, int64_t N, float* out) {
+    const int64_t groups = K / kGroup;
+    // a task: at least ~256k multiply-adds, so small matrices do not pay for a thread
+    const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, K * M));
+    at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+            const uint8_t* row = w + n * row_bytes;
+            int64_t m = 0;
+            for (; m + kRows <= M; m += kRows)
+                row_dot<Q, kRows>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
+            for (; m + 2 <= M; m += 2)
+                row_dot<Q, 2>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
+            for (; m < M; ++m) row_dot<Q, 1>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
+        }
+    });
+}
+
+at::Tensor q_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [M, K]");
+    TORCH_CHECK(qtype == 0 || qtype == 1, "qtype: 0 (Q4_0) or 1 (Q8_0)");
+    TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "blocks: uint8 [N, bytes]");
+    const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+    const int64_t bytes = qtype == 0 ? kQ4Bytes : kQ8Bytes;
+    TORCH_CHECK(K % kGroup == 0 && blocks.size(1) == K / kGroup * bytes,
+                "K must be a multiple of 32 and match the blocks");
+    const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+    at::Tensor out = at::empty({M, N}, x.options());
+    if (M == 0 || N == 0) return out;
+    at::Tensor qa = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor da = at::empty({M, K / kGroup}, x.options().dtype(at::kFloat));
+    quantize_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), M, K,
+                  qa.data_ptr<int8_t>(), da.data_ptr<float>());
+    at::Tensor sums = at::empty({M, N}, x.options().dtype(at::kFloat));
+    const int64_t row_bytes = K / kGroup * bytes;
+    auto run = qtype == 0 ? each_row<0> : each_row<1>;
+    run(bc.data_ptr<uint8_t>(), row_bytes, qa.data_ptr<int8_t>(), da.data_ptr<float>(), M, K, N,
+        sums.data_ptr<float>());
+    const float* s = sums.data_ptr<float>();
+    uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * N; ++i) o[i] = float_to_bf16(s[i]);
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(swarmd_blocks, m) { m.def("q_mm(Tensor x, Tensor blocks, int qtype) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(swarmd_blocks, CPU, m) { m.impl("q_mm", q_mm); }
