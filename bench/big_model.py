@@ -231,7 +231,7 @@ def measure(server: str, path: Path, args: argparse.Namespace, work: Path) -> Ru
     try:
         long_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(200))
         short_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(49))
-        base = {"model": "m", "temperature": 0, "seed": 1}
+        base = {"model": path.stem.lower(), "temperature": 0, "seed": 1}
         _post(port, {**base, "prompt": "warm up", "max_tokens": 2})
         body, headers = _post(port, {**base, "prompt": long_prompt, "max_tokens": 1})
         prompt_tokens = int(body["usage"]["prompt_tokens"])  # type: ignore[index]
