@@ -232,6 +232,26 @@ class Blocks(_Quantized):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.data, self.code)
 
+    def float_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Weight rows `rows` [C] as float32 [C, K], exactly the blocks' values (d * q)."""
+        if self.code == native.BAND_CODE:  # 4 rows interleaved: band, then row in it
+            count, which = len(rows), torch.arange(len(rows))
+            bands = self.data[rows // native.BAND_ROWS].view(count, -1, 72)
+            groups, j = bands.shape[1], rows % native.BAND_ROWS
+            d = bands[..., :8].reshape(count, groups, native.BAND_ROWS, 2)[which, :, j]
+            scale = d.contiguous().view(torch.float16).float()  # [C, G, 1]
+            nibbles = bands[..., 8:].reshape(count, groups, native.BAND_ROWS, 16)[which, :, j]
+        else:
+            width = 18 if self.code == native.BLOCK_TYPES["Q4_0"] else 34
+            blocks = self.data[rows].view(len(rows), -1, width)
+            scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [C, G, 1]
+            if width == 34:
+                values = blocks[..., 2:].contiguous().view(torch.int8).float()
+                return (scale * values).reshape(len(rows), -1)
+            nibbles = blocks[..., 2:]
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float() - 8.0  # [C, G, 32]
+        return (scale * q).reshape(len(rows), -1)
+
 
 def make_matrix(stored: Stored, bias: torch.Tensor | None, dtype: torch.dtype) -> Matrix:
     """The held matrix for a stored one (already in its target format)."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from swarmd.dtypes import INT4_GROUP
 from swarmd.engine import native
 from swarmd.engine.attention import BLOCK, MIN_ROWS, attend_rows
-from swarmd.engine.linear import Dense, Int4, Int4Dot, Int8, Int8Dot, Matrix, Projection
+from swarmd.engine.linear import Blocks, Dense, Int4, Int4Dot, Int8, Int8Dot, Matrix, Projection
 
 if TYPE_CHECKING:
     from swarmd.engine.arch import ArchSpec
@@ -43,22 +43,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # `_matmul` spells them as literals: TorchScript reads no globals
-_DENSE, _INT8, _INT4, _INT4_DOT, _INT8_DOT = 0, 1, 2, 3, 4
+_DENSE, _INT8, _INT4, _INT4_DOT, _INT8_DOT, _BLOCKS = 0, 1, 2, 3, 4, 5
 if (BLOCK, MIN_ROWS) != (64, 4):  # `_decode_layers` spells them as literals too
     raise ImportError("scripted.py's attention literals differ from attention.py's")
 _NONE = torch.empty(0)  # "absent" for an optional tensor (a real one is never empty)
 
 # One matrix: (kind, weight or values or packed, scale (empty for dense), bias or _NONE,
 # filler rows for a short input (dense) or the zeros (Int4Dot), an int: the fewest rows a
-# dense kernel takes, or int4's group size)
+# dense kernel takes, int4's group size, or the block kernel's qtype code)
 MatrixArgs = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def _matmul(m: MatrixArgs, x: torch.Tensor) -> torch.Tensor:
-    """`linear.Dense`, `Int8`, `Int4`, `Int4Dot` and `Int8Dot` `__call__`, op for op."""
+    """`linear.Dense`, `Int8`, `Int4`, `Int4Dot`, `Int8Dot` and `Blocks` `__call__`, op
+    for op."""
     kind, a, b, bias, filler, n = m
     if kind != 0:  # quantized: the kernel's product, then the bias
-        if kind == 3:  # _INT4_DOT
+        if kind == 5:  # _BLOCKS
+            out = torch.ops.swarmd_blocks.q_mm(x, a, n)
+        elif kind == 3:  # _INT4_DOT
             out = torch.ops.swarmd.int4_bf16_mm(x, a, b, filler)
         elif kind == 4:  # _INT8_DOT
             out = torch.ops.swarmd.int8_bf16_mm(x, a, b)
@@ -278,6 +281,7 @@ def _script() -> torch.jit.ScriptFunction | None:
     global _scripted, _script_failed
     if _scripted is None and not _script_failed:
         native.ops()  # settles which kernels run, and registers the ops' names
+        native.blocks_op()
         try:
             with warnings.catch_warnings():
                 # Deprecated, not gone (module docstring): the warning says nothing here.
@@ -290,6 +294,8 @@ def _script() -> torch.jit.ScriptFunction | None:
 
 
 def _matrix_args(m: Matrix) -> MatrixArgs | None:
+    if isinstance(m, Blocks):
+        return (_BLOCKS, m.data, _NONE, _NONE if m.bias is None else m.bias, _NONE, m.code)
     if isinstance(m, Int4):
         bias = _NONE if m.bias is None else m.bias
         return (_INT4, m.packed, m.scale_zero, bias, _NONE, INT4_GROUP)

@@ -7,7 +7,8 @@ the embedded model "What is the capital of France?" has "The" at 25.245 and "L" 
 in float32, both 25.25 in bfloat16, and the greedy reply went to "L'Étoile, la
 Marseillaise, ..." instead of "The capital of France is Paris.". So the logits within two
 to four steps of each row's best are computed again, in float32, from the float32 normed hidden
-state and the head's rows as held (int8 values times their scale, or the float rows):
+state and the head's rows as held (int8 values times their scale, a GGUF block's d times
+its values, or the float rows):
 greedy picks what the held weights prefer, and a sampled draw sees their true gaps.
 
 Each value is one row's elementwise products summed over the hidden size, so it has the
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from swarmd.engine import native
-from swarmd.engine.linear import Dense, Int8, Int8Dot, Matrix
+from swarmd.engine.linear import Blocks, Dense, Int8, Int8Dot, Matrix
 
 _SCAN = 1024  # logits per block when looking for the near-best ones
 _COLUMNS = torch.arange(_SCAN)
@@ -79,6 +80,8 @@ def _rows_fp32(head: Matrix) -> tuple[Rows, torch.Tensor | None, torch.Tensor | 
     if isinstance(head, Int8):
         values = head.values
         return lambda col: values[col], head.scale, head.bias
+    if isinstance(head, Blocks):  # a GGUF head kept in its Q4_0 / Q8_0 blocks
+        return head.float_rows, None, head.bias
     if isinstance(head, Dense) and head.weight.dtype != torch.float32:
         weight = head.weight
         return lambda col: weight[col], None, head.bias

@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +239,10 @@ def stored_matrix(plan: Plan, data: np.ndarray, keep_blocks: bool = False) -> qu
     if plan.fmt == "int4" and plan.qtype in quant.INT4_EXACT_GGUF:
         weight = quant.int4_from_gguf(np.asarray(data), plan.qtype, plan.shape[1])
         return weight if order is None else weight.rows(order)
+    if plan.fmt == "int8" and plan.qtype == "Q6_K" and (fast := _q6_k_to_int8()) is not None:
+        values, scale = fast(_read_only_tensor(data), plan.shape[1])
+        weight = quant.Int8(values, scale)
+        return weight if order is None else weight.rows(order)
     if plan.fmt in QUANTIZED:
         parts = [
             quant.quantize(_floats(plan, data[i : i + _ROW_CHUNK]), plan.fmt)
@@ -250,6 +256,23 @@ def stored_matrix(plan: Plan, data: np.ndarray, keep_blocks: bool = False) -> qu
     if plan.minus_one:
         dense = dense - 1.0
     return dense.to(_DENSE_TORCH[plan.fmt]).contiguous()
+
+
+def _read_only_tensor(data: np.ndarray) -> torch.Tensor:
+    """A tensor over the file's mapped bytes without a copy, for an op that only reads
+    them (torch warns that it could write to a read-only array: it does not)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(data))
+
+
+def _q6_k_to_int8() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """swarmd's one-pass Q6_K -> int8 (engine/blocks.cpp), where the engine loaded it: the
+    same bits as gguf's dequantization and `quant.quantize_int8` (tested), 5x faster."""
+    try:
+        return torch.ops.swarmd_blocks.q6_k_to_int8  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):
+        return None
 
 
 _DENSE_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

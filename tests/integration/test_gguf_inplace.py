@@ -97,9 +97,11 @@ def test_kept_blocks_are_the_files_bytes_and_close_to_the_converted_copy(
         return
     shape = SHAPES["tiny"]
     assert len(kept) == shape.layers and model.kernels == "swarmd+torch"  # Q6_K down: torch
-    # q, k and v of a layer fused: the file's Q4_0 rows (q and k un-permuted), 18 bytes / 32
+    # q, k and v of a layer fused: the file's Q4_0 rows (q and k un-permuted), 18 bytes
+    # per 32 weights, interleaved by 4 rows
     rows = shape.hidden + 2 * shape.kv_heads * (shape.hidden // shape.heads)
-    assert tuple(kept[0].data.shape) == (rows, shape.hidden // 32 * 18)
+    assert kept[0].data.numel() == rows * shape.hidden // 32 * 18
+    assert kept[0].code == native.BAND_CODE
     ours = _run(stage, PROMPT).float()
     theirs = _run(converted.stage, PROMPT).float()
     assert torch.isfinite(ours).all()
@@ -218,3 +220,32 @@ def test_layer_sizes_are_a_converted_copys_less_the_table(
         assert ours[1:] == theirs[1:]
         table = {"auto": 1, "int8": 1, "fp32": 4}[weights] * shape.vocab * shape.hidden
         assert theirs[0] - ours[0] == table
+
+
+def test_scripted_decode_over_kept_blocks_equals_the_eager_loop(
+    plain: Path, caches: tuple[Path, Path]
+) -> None:
+    """The decode loop runs as TorchScript over the block kernel too: the same bits as the
+    eager loop, one row and two at once."""
+    from swarmd.model.rows import Row
+
+    stage = load_model(resolve_model(str(plain), caches[0]), None).stage
+    runs = []
+    for scripted in (True, False):
+        stage.scripted_decode = scripted  # type: ignore[attr-defined]
+        caches_ = [stage.new_cache(32) for _ in range(2)]
+        outs = [_run_into(stage, PROMPT[:, : 5 + i], caches_[i]) for i in range(2)]
+        with torch.inference_mode():
+            for step in range(4):
+                rows = [
+                    Row(torch.tensor([[7 + step + i]]), caches_[i]) for i in range(1 + step % 2)
+                ]
+                outs += stage.forward_many(rows)  # type: ignore[attr-defined]
+        runs.append(outs)
+    assert stage._decode_loop is not None  # type: ignore[attr-defined]  # it did run scripted
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+
+
+def _run_into(stage: object, chunk: torch.Tensor, cache: object) -> torch.Tensor:
+    with torch.inference_mode():
+        return stage(chunk, cache)  # type: ignore[operator,no-any-return]

@@ -113,3 +113,28 @@ def test_without_the_kernel_blocks_become_torchs_forms(
     x = torch.randn(2, 256).to(torch.bfloat16)
     dense = x.float() @ values.T
     assert (matrix(x).float() - dense).abs().max() < 0.03 * dense.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(64, 256), (513, 768)])
+def test_q6_k_requantizes_to_the_bits_of_the_float_path(shape: tuple[int, int]) -> None:
+    """The one-pass Q6_K -> int8 gives what gguf's dequantization and quantize_int8 give."""
+    n, k = shape
+    raw = random_blocks("Q6_K", n, k, np.random.default_rng(4))
+    values, scale = torch.ops.swarmd_blocks.q6_k_to_int8(torch.from_numpy(raw), k)
+    floats = np.array(dequantize(raw, GGMLQuantizationType.Q6_K), dtype=np.float32)
+    expected = quant.quantize_int8(torch.from_numpy(floats))
+    assert torch.equal(values, expected.values) and torch.equal(scale, expected.scale)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("qtype", "n"), [("Q4_0", 64), ("Q4_0", 66), ("Q8_0", 64)])
+def test_a_heads_rows_read_back_as_the_files_values(qtype: str, n: int) -> None:
+    """What near ties are settled with (engine/ties.py): rows of a held head, banded or
+    not, are exactly the file's dequantized rows."""
+    raw = random_blocks(qtype, n, 128, np.random.default_rng(5))
+    matrix = make_matrix(quant.Blocks(qtype, torch.from_numpy(raw), 128), None, torch.bfloat16)
+    assert isinstance(matrix, Blocks)
+    values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
+    rows = torch.tensor([0, 5, 3, n - 1, 5])
+    assert torch.equal(matrix.float_rows(rows), values[rows])
