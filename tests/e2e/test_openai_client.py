@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from swarmd.engine import native
 from swarmd.model.loader import load_model
-from swarmd.model.source import ModelSource
+from swarmd.model.source import EMBEDDED_MODEL_ID, resolve_model
 from swarmd.model.text import ChatMessage
 from tests.conftest import NodeProcess, running_node, wait_until
 
@@ -74,9 +74,10 @@ def transformers_reference(model_dir: Path) -> tuple[list[int], list[int]]:
     return prompt_ids, out[0, len(prompt_ids) :].tolist()
 
 
-def engine_reference(model_dir: Path) -> tuple[list[int], list[int]]:
-    """Prompt ids and greedy reply ids from the engine run in this process, int4."""
-    model = load_model(ModelSource("smollm", model_dir), None)
+def engine_reference(cache_dir: Path) -> tuple[list[int], list[int]]:
+    """Prompt ids and greedy reply ids from the engine run in this process, int4, loaded
+    as a node loads it (the GGUF read in place)."""
+    model = load_model(resolve_model(EMBEDDED_MODEL_ID, cache_dir), None)
     assert model.backend == "engine" and model.weights == "int4"
     messages = [ChatMessage(m["role"], m["content"]) for m in MESSAGES]
     prompt_ids = model.codec.chat_prompt(messages)
@@ -91,14 +92,14 @@ def engine_reference(model_dir: Path) -> tuple[list[int], list[int]]:
 def test_greedy_stream_and_whole_match_a_reference(
     path: str,
     request: pytest.FixtureRequest,
-    smollm_dir: Path,
+    test_cache_dir: Path,
     smollm_fp32_dir: Path,
 ) -> None:
     """The default node (int4, the engine) equals the engine run in-process; the exact path
     (--weights fp32 --dtype float32) equals plain transformers, token for token."""
     if path == "int4-engine":
         node: NodeProcess = request.getfixturevalue("embedded_node")
-        reference_ids = engine_reference(smollm_dir)
+        reference_ids = engine_reference(test_cache_dir)
     else:
         node = request.getfixturevalue("fp32_node")
         reference_ids = transformers_reference(smollm_fp32_dir)
