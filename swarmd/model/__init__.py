@@ -1,9 +1,14 @@
 """Models: from a file on disk to a stage that runs a layer range.
 
-- `source.py`        `resolve_model`: embedded id, GGUF file or Hugging Face folder -> folder
-                     (a GGUF converted once per weight format into the user cache)
-- `gguf_convert.py`  `write_converted`: a GGUF's config, tokenizer and weights (Q4 blocks
-                     taken as int4 exactly, the rest requantized once)
+- `source.py`        `resolve_model`: embedded id, GGUF file or Hugging Face folder -> a
+                     source (a GGUF: its metadata folder, config, tokenizer and tensor
+                     index, read once; `resolve_folder` converts it for `swarmd shard`)
+- `gguf_index.py`    `GgufEntry`: where each tensor's bytes are in a GGUF file
+- `gguf_tensors.py`  `GgufTensors`: a GGUF's tensors read in place from a memory map;
+                     `MappedRows`: an embedding table read row by row from the file
+- `gguf_convert.py`  `plan` / `stored_matrix`: what each GGUF tensor is held as (Q4 blocks
+                     as int4 exactly, Q4_0 kept as blocks for the block kernel, the rest
+                     requantized); `write_converted`: a converted folder
 - `quant.py`         int4 / int8 matrices: from GGUF blocks, from floats, stored form,
                      `convert`, `StoredTensors` (a checkpoint's tensors by name)
 - `tensorfile.py`    safetensors read and written one tensor at a time (no memory map)
