@@ -47,9 +47,6 @@ class GgufTensors:
     def __contains__(self, name: str) -> bool:
         return name in self._plans
 
-    def plans(self) -> list[Plan]:
-        return list(self._plans.values())
-
     def entry(self, name: str) -> GgufEntry:
         return self._entries[self._plan(name).gguf_name]
 

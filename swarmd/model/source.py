@@ -21,7 +21,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,25 +136,35 @@ def convert_gguf(gguf: Path, cache_dir: Path, weights: str = AUTO) -> Path:
     target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-{weights}"
     if (target / _DONE_MARKER).exists():
         return target
-    # Several local nodes may start together: one converts, the others wait and reuse.
-    with exclusive(models / f"{target.name}.lock"):
-        if (target / _DONE_MARKER).exists():
-            return target
+
+    def write(scratch: Path) -> None:
         from swarmd.model.gguf_convert import write_converted  # torch, gguf: only to convert
 
         log.info("converting %s to %s weights once, into %s", gguf.name, weights, target)
         started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=models))
+        label = write_converted(gguf, scratch, weights)
+        log.info("converted in %.1f s (%s weights)", time.monotonic() - started, label)
+
+    _write_once(target, digest, write)
+    return target
+
+
+def _write_once(target: Path, digest: str, write: Callable[[Path], None]) -> None:
+    """Fill folder `target` with `write(scratch)` once: in a scratch folder renamed into
+    place with its done marker, under a lock, so several local nodes that start together
+    write it once and the others wait and reuse it; a failed write leaves nothing."""
+    with exclusive(target.parent / f"{target.name}.lock"):
+        if (target / _DONE_MARKER).exists():
+            return
+        scratch = Path(tempfile.mkdtemp(prefix=".scratch-", dir=target.parent))
         try:
-            label = write_converted(gguf, scratch, weights)
+            write(scratch)
             (scratch / _DONE_MARKER).write_text(digest + "\n")
             if target.exists():
                 shutil.rmtree(target)
             os.replace(scratch, target)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        log.info("converted in %.1f s (%s weights)", time.monotonic() - started, label)
-    return target
 
 
 def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -182,24 +192,15 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-meta"
     if (target / _DONE_MARKER).exists():
         return target
-    with exclusive(models / f"{target.name}.lock"):
-        if (target / _DONE_MARKER).exists():
-            return target
+
+    def write(scratch: Path) -> None:
         started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=".meta-", dir=models))
-        try:
-            reader = reader or open_gguf(gguf)
-            architecture = gguf_architecture(gguf, reader)
-            entries = entries_of(reader)
-            check_tensor_types(entries)
-            write_config_and_tokenizer(gguf, scratch, architecture, reader)
-            write_index(scratch, architecture, entries)
-            (scratch / _DONE_MARKER).write_text(digest + "\n")
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(scratch, target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+        header = reader or open_gguf(gguf)
+        architecture = gguf_architecture(gguf, header)
+        entries = entries_of(header)
+        check_tensor_types(entries)
+        write_config_and_tokenizer(gguf, scratch, architecture, header)
+        write_index(scratch, architecture, entries)
         log.info(
             "read %s's header once (config, tokenizer, %d tensors) in %.1f s, into %s",
             gguf.name,
@@ -207,6 +208,8 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
             time.monotonic() - started,
             target,
         )
+
+    _write_once(target, digest, write)
     return target
 
 
