@@ -40,7 +40,7 @@ from swarmd.model.memory import (
     kv_bytes_per_token,
     layer_weight_bytes,
 )
-from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, resolve_model
+from swarmd.model.source import EMBEDDED_MODEL_ID, ModelSource, manifest_source, resolve_model
 from swarmd.net.identity import Identity
 from swarmd.net.progress import RichProgress
 from swarmd.pipeline.placement import Placement, choose_layers
@@ -121,7 +121,7 @@ def _local_source(spec: str, cache_dir: Path) -> ModelSource | None:
 
 def _lacks_files(source: ModelSource, layers: str) -> bool:
     manifest = source.manifest
-    if manifest is None:
+    if manifest is None or source.gguf is not None:  # a GGUF read in place: all here
         return False
     return bool(missing_files(source.model_dir, manifest.files_for(_wanted(manifest, layers))))
 
@@ -264,11 +264,13 @@ class _SwarmJob:
         model_id = self._local.model_id if self._local is not None else self._config.model
         records = await self._holders(model_id)
         local_manifest = self._local.manifest if self._local is not None else None
-        if self._local is not None and local_manifest is None:
-            # A local unsharded model: the swarm only tells which layers are covered.
-            held = [r.layers for r in records if r.model_hash == ""]
-            placement = _place(self._config, self._local, None, held)
-            return Acquired(self._local, str(placement.layers))
+        if self._local is not None and (local_manifest is None or self._local.gguf is not None):
+            # A local GGUF file or Hugging Face folder, all here: the swarm only tells
+            # which layers of the same content are covered.
+            local = self._local
+            held = [r.layers for r in records if r.model_hash == local.content_id]
+            placement = _place(self._config, local, local_manifest, held)
+            return Acquired(local, str(placement.layers))
         if local_manifest is not None:
             manifest, folder = local_manifest, self._local.model_dir  # type: ignore[union-attr]
         else:
@@ -280,15 +282,15 @@ class _SwarmJob:
             held = [r.layers for r in same]
             layers = str(_place(self._config, None, manifest, held).layers)
         await self._fetch(manifest, folder, model_id, _wanted(manifest, layers))
-        return Acquired(ModelSource(model_id, folder, manifest), layers)
+        return Acquired(manifest_source(folder, manifest), layers)
 
     async def _take_manifest(self, model_id: str, records: list[NodeRecord]) -> Manifest:
         """The manifest most holders announce, from the first holder that sends it intact."""
         ids = Counter(r.model_hash for r in records if r.model_hash)
         if not ids:
             why = (
-                f": {len(records)} peer(s) serve it, all from a GGUF file or Hugging Face "
-                "folder, without a manifest, so none can send its files"
+                f": {len(records)} peer(s) serve it, all from a Hugging Face folder, "
+                "without a manifest, so none can send its files"
                 if records
                 else ": no peer of the swarm serves it"
             )

@@ -94,7 +94,9 @@ class HeldModel:
             return None
         # Verified at start-up: the files of its layers (others are hashed when asked for).
         verified = manifest.files_for(self.model.layers)
-        return FileServer(self.model.source.model_dir, manifest, verified, settings)
+        source = self.model.source
+        paths = {s.file: source.file_path(s.file) for s in manifest.shards}
+        return FileServer(source.model_dir, manifest, verified, settings, paths)
 
     def index_entry(self) -> ModelEntry:
         model = self.model

@@ -294,14 +294,17 @@ def _model_files(model: LoadedModel) -> list[str]:
     manifest = source.manifest
     if manifest is None:
         lines.append(
-            "  no manifest (a GGUF file or Hugging Face folder): weights not hash-checked; "
+            "  no manifest (a Hugging Face folder): weights not hash-checked; "
             "DHT records carry no content id"
         )
         return lines
     lines.append(f"  content id {manifest.content_id}")
     rows = [["  file", "bytes", "sha256", "state"]]
     for entry in manifest.files_for(model.layers):
-        rows.append([f"  {entry.file}", str(entry.bytes), entry.sha256, "verified at start"])
+        state = "verified at start"
+        if source.file_path(entry.file) != source.model_dir / entry.file:
+            state = f"{state} (the file {source.file_path(entry.file)}, hashed once)"
+        rows.append([f"  {entry.file}", str(entry.bytes), entry.sha256, state])
     lines.append(_rows(rows))
     others = [s.file for s in manifest.shards if s not in manifest.shards_for(model.layers)]
     if others:

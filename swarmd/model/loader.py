@@ -32,6 +32,7 @@ from swarmd.dtypes import (
 )
 from swarmd.errors import ConfigError, ModelLoadError
 from swarmd.model.common import Variant, config_context_length, config_num_layers
+from swarmd.model.gguf_manifest import verify_gguf
 from swarmd.model.gguf_tensors import GgufTensors
 from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_grammar
 from swarmd.model.hashing import verify_files
@@ -183,6 +184,8 @@ def open_tensors(source: ModelSource, layers: LayerRange, weights: str) -> Tenso
     """The tensors of `layers`, each read when asked for: a GGUF file's in place, or the
     safetensors files of a folder (a sharded model's verified first)."""
     if source.gguf is not None:
+        if source.manifest is not None:  # memo: the cache's models/ (or shards/, fetched)
+            verify_gguf(source.gguf, source.manifest, source.model_dir.parent)
         return GgufTensors(source.gguf, source.model_dir, weights)
     return StoredTensors(_files(source, layers))
 

@@ -46,6 +46,21 @@ MAX_ID_CHARS = 128
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
+# Files a node needs beside the weights, when the source has them (the
+# config is in the manifest itself).
+COMMON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
 
 @dataclass(frozen=True)
 class FileEntry:

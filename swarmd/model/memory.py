@@ -111,6 +111,8 @@ def layer_weight_bytes(
     a concrete compute dtype name):
     the embeddings counted in layer 0, the final norm and the head (a copy of the
     embeddings when tied) in the last layer."""
+    if source is not None and source.gguf is not None:  # exact, from its tensor index
+        return _gguf_layer_bytes(source.model_dir, weights, dtype)
     if manifest is not None:
         # A shard's bytes are spread over formats it does not say; take the largest growth
         # any of its formats would see (a mixed int4+int8 model sized as if all int8).
@@ -119,8 +121,6 @@ def layer_weight_bytes(
         return [math.ceil(b * ratio) for b in manifest.layer_bytes()]
     if source is None:
         raise ModelLoadError("no model to size: neither a folder nor a manifest")
-    if source.gguf is not None:
-        return _gguf_layer_bytes(source.model_dir, weights, dtype)
     return _folder_layer_bytes(source.model_dir, weights, dtype)
 
 

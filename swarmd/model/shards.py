@@ -28,6 +28,7 @@ from swarmd.model.families import supported_model_types
 from swarmd.model.hashing import hash_file
 from swarmd.model.layers import RECOMPUTED, LayerRange, tensor_layer, tiling_problem
 from swarmd.model.manifest import (
+    COMMON_FILES,
     DEFAULT_CHUNK_BYTES,
     MANIFEST_FILE,
     FileEntry,
@@ -39,19 +40,6 @@ from swarmd.model.tensorfile import TensorSpec, TensorWriter, tensor_files
 
 log = logging.getLogger(__name__)
 
-# Files a node needs beside the weights, when the source has them.
-COMMON_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _READ_BYTES = 1 << 20
 

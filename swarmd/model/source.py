@@ -5,14 +5,13 @@ Every source ends up as a folder of config and tokenizer. A GGUF file's weights 
 the file: its folder (`prepare_gguf`, once per file header, in the user's cache, under a
 lock) holds only what transformers reads from the header (config, tokenizer) and the
 tensor index, and a node maps its own layers' bytes from the file itself
-(`gguf_tensors`). `convert_gguf` still writes a whole converted copy, for `swarmd shard`
-and for the exact (transformers) path. A sharded model's folder is used as it is, with
-its manifest.
+(`gguf_tensors`). Its manifest (`gguf_manifest`: the file hashed once per version) gives
+it a content id like a sharded model's. `convert_gguf` still writes a whole converted
+copy, for `swarmd shard`. A sharded model's folder is used as it is, with its manifest.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -21,15 +20,22 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from swarmd.dtypes import AUTO
 from swarmd.errors import ManifestError, ModelLoadError, ModelNotFoundError
-from swarmd.model.hashing import file_sha256
+from swarmd.model.gguf_manifest import (
+    GGUF_SHARD,
+    exclusive,
+    gguf_manifest,
+    is_gguf_manifest,
+    read_memo,
+    remember,
+    remembered_sha256,
+)
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 
 if TYPE_CHECKING:
@@ -47,7 +53,8 @@ _DONE_MARKER = ".swarmd-complete"
 class ModelSource:
     model_id: str
     model_dir: Path  # Hugging Face layout (config.json, tokenizer, *.safetensors) or shards
-    manifest: Manifest | None = None  # a sharded model: every file is checked against it
+    manifest: Manifest | None = None  # every file is checked against it (a GGUF's: built
+    # here from the file, `gguf_manifest`); None for a Hugging Face folder
     gguf: Path | None = None  # a GGUF file whose weights are read in place (model_dir: its
     # metadata folder, config and tokenizer and the tensor index)
 
@@ -55,6 +62,12 @@ class ModelSource:
     def content_id(self) -> str:
         """The manifest's content id ("" for a model that has no manifest)."""
         return self.manifest.content_id if self.manifest is not None else ""
+
+    def file_path(self, name: str) -> Path:
+        """Where the manifest's file `name` is on disk (a GGUF's shard: the file itself)."""
+        if self.gguf is not None and name == GGUF_SHARD:
+            return self.gguf
+        return self.model_dir / name
 
 
 def embedded_gguf_path() -> Path:
@@ -73,15 +86,54 @@ def embedded_gguf_path() -> Path:
 
 def resolve_model(spec: str, cache_dir: Path) -> ModelSource:
     """Turn a model id or path into a ready source: a GGUF file read in place (with its
-    metadata folder), a sharded model, or a Hugging Face folder."""
+    metadata folder and manifest), a sharded model, or a Hugging Face folder."""
     if spec == EMBEDDED_MODEL_ID:
-        path = embedded_gguf_path()
-        return ModelSource(EMBEDDED_MODEL_ID, prepare_gguf(path, cache_dir), gguf=path)
+        return gguf_source(embedded_gguf_path(), EMBEDDED_MODEL_ID, cache_dir)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        path = path.resolve()
-        return ModelSource(_id_from_name(path.stem), prepare_gguf(path, cache_dir), gguf=path)
+        return gguf_source(path.resolve(), _id_from_name(path.stem), cache_dir)
     return resolve_folder(spec, cache_dir)
+
+
+def gguf_source(gguf: Path, model_id: str, cache_dir: Path) -> ModelSource:
+    """A GGUF file read in place: its metadata folder, and its manifest (the file hashed
+    once per version of it, for the content id its records carry)."""
+    meta = prepare_gguf(gguf, cache_dir)
+    manifest = gguf_manifest(gguf, meta, model_id, cache_dir / "models")
+    return ModelSource(model_id, meta, manifest, gguf=gguf)
+
+
+def manifest_source(folder: Path, manifest: Manifest) -> ModelSource:
+    """The model of a manifest in `folder`: its shards, or the GGUF file it names, fetched
+    into the folder (read in place once it is there; until then the folder, whose files
+    are fetched into it). A fetched GGUF's tokenizer and config are the manifest's own
+    files, as its holders use them; only the tensor index is read from the header."""
+    gguf = folder / GGUF_SHARD
+    if is_gguf_manifest(manifest) and gguf.is_file():
+        _index_fetched(folder, gguf, manifest)
+        return ModelSource(manifest.model_id, folder.resolve(), manifest, gguf=gguf.resolve())
+    return ModelSource(manifest.model_id, folder.resolve(), manifest)
+
+
+def _index_fetched(folder: Path, gguf: Path, manifest: Manifest) -> None:
+    from swarmd.model.gguf_convert import check_tensor_types, gguf_architecture, open_gguf
+    from swarmd.model.gguf_index import INDEX_FILE, entries_of, write_index
+
+    if not (folder / "config.json").is_file():
+        scratch = folder / ".config.json.tmp"
+        scratch.write_text(json.dumps(manifest.config, indent=1) + "\n")
+        os.replace(scratch, folder / "config.json")
+    if (folder / INDEX_FILE).is_file():
+        return
+    reader = open_gguf(gguf)
+    entries = entries_of(reader)
+    check_tensor_types(entries)
+    scratch_dir = Path(tempfile.mkdtemp(prefix=".index-", dir=folder))
+    try:
+        write_index(scratch_dir, gguf_architecture(gguf, reader), entries)
+        os.replace(scratch_dir / INDEX_FILE, folder / INDEX_FILE)
+    finally:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
 
 
 def resolve_folder(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSource:
@@ -95,7 +147,7 @@ def resolve_folder(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSour
     manifest_path = path / MANIFEST_FILE if path.is_dir() else path
     if manifest_path.name == MANIFEST_FILE and manifest_path.is_file():
         manifest = read_manifest(manifest_path)
-        return ModelSource(manifest.model_id, manifest_path.parent.resolve(), manifest)
+        return manifest_source(manifest_path.parent, manifest)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return ModelSource(_id_from_name(path.stem), convert_gguf(path, cache_dir, weights))
     if path.is_dir() and (path / "config.json").is_file():
@@ -118,21 +170,10 @@ def _id_from_name(name: str) -> str:
     return name.strip().lower().replace(" ", "-")
 
 
-@contextmanager
-def exclusive(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def convert_gguf(gguf: Path, cache_dir: Path, weights: str = AUTO) -> Path:
     """Convert a GGUF file once into a folder of `weights`; return the cached folder."""
     models = cache_dir / "models"
-    digest = _gguf_digest(gguf, models)
+    digest = remembered_sha256(gguf, models)
     target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-{weights}"
     if (target / _DONE_MARKER).exists():
         return target
@@ -182,13 +223,12 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     models = cache_dir / "models"
     stat = gguf.stat()
     key = f"header|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo = models / "gguf-digests.json"
-    digest = _read_memo(memo).get(key)
+    digest = read_memo(models).get(key)
     reader = None
     if not (isinstance(digest, str) and len(digest) == 64):
         reader = open_gguf(gguf)
         digest = _header_digest(gguf, reader)
-        _remember(memo, models, key, digest)
+        remember(models, key, digest)
     target = models / f"{_id_from_name(gguf.stem)}-{digest[:16]}-meta"
     if (target / _DONE_MARKER).exists():
         return target
@@ -222,34 +262,3 @@ def _header_digest(gguf: Path, reader: GGUFReader) -> str:
     with gguf.open("rb") as handle:
         hasher.update(handle.read(end))
     return hasher.hexdigest()
-
-
-def _remember(memo: Path, models: Path, key: str, digest: str) -> None:
-    models.mkdir(parents=True, exist_ok=True)
-    with exclusive(models / "gguf-digests.lock"):
-        current = {**_read_memo(memo), key: digest}  # read again: another node may have added
-        scratch = memo.with_suffix(".tmp")
-        scratch.write_text(json.dumps(current, indent=1) + "\n")
-        os.replace(scratch, memo)
-
-
-def _gguf_digest(gguf: Path, models: Path) -> str:
-    """The file's SHA-256, remembered by path, size and mtime: hashing a 4 GB file on
-    every start would cost seconds."""
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    memo = models / "gguf-digests.json"
-    digest = _read_memo(memo).get(key)
-    if isinstance(digest, str) and len(digest) == 64:
-        return digest
-    digest = file_sha256(gguf)
-    _remember(memo, models, key, digest)
-    return digest
-
-
-def _read_memo(memo: Path) -> dict[str, object]:
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        return {}
-    return known if isinstance(known, dict) else {}

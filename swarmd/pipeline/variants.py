@@ -27,8 +27,8 @@ def choose_variant(model_id: str, records: list[NodeRecord], known: list[str]) -
             groups.setdefault(key, []).append(record)
     if not groups:
         hint = (
-            f": {len(ready)} peer(s) serve it from a GGUF file or Hugging Face folder, without "
-            "a manifest, so this node cannot take its tokenizer; ask one of them directly"
+            f": {len(ready)} peer(s) serve it from a Hugging Face folder, without a "
+            "manifest, so this node cannot take its tokenizer; ask one of them directly"
             if ready
             else ": no peer of the swarm serves it"
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,10 @@ class FileServer:
         manifest: Manifest,
         verified: list[FileEntry],
         settings: FileServeSettings,
+        paths: Mapping[str, Path] | None = None,
     ) -> None:
         self._folder = folder
+        self._paths = dict(paths or {})  # files that lie elsewhere (a GGUF read in place)
         self._manifest = manifest
         self._manifest_bytes = manifest.to_json()
         self._content_id = manifest.content_id
@@ -133,7 +136,7 @@ class FileServer:
         try:
             offset, length = entry.chunk_span(index, self._manifest.chunk_bytes)
             await self._pace(length)
-            data = await trio.to_thread.run_sync(_read, self._folder / name, offset, length)
+            data = await trio.to_thread.run_sync(_read, self._path(name), offset, length)
         finally:
             left = self._in_flight.pop(peer_id) - 1
             if left:
@@ -148,7 +151,7 @@ class FileServer:
             return known
         async with self._checking:  # one hash at a time; served files never wait here
             if entry.file not in self._checked:
-                path = self._folder / entry.file
+                path = self._path(entry.file)
                 actual = await trio.to_thread.run_sync(_sha256_or_none, path)
                 if actual is None:
                     return False  # not here (yet): asked again next time, not remembered
@@ -161,6 +164,9 @@ class FileServer:
                         entry.sha256,
                     )
             return self._checked[entry.file]
+
+    def _path(self, name: str) -> Path:
+        return self._paths.get(name) or self._folder / name
 
     def _check_model(self, model: str) -> None:
         if model != self._content_id:
