@@ -1,5 +1,5 @@
-// swarmd_blocks::q_mm: a matmul over GGUF's Q4_0 and Q8_0 blocks as the file holds them, on
-// AVX2 (engine/native.py builds and loads it; linear.Blocks calls it).
+// swarmd_blocks::q_mm: a matmul over GGUF's Q4_0, Q8_0, Q4_K and Q5_K blocks as the file
+// holds them, on AVX2 (engine/native.py builds and loads it; linear.Blocks calls it).
 //
 // Why: torch's int4 kernel needs a bfloat16 scale AND zero per group of 32 (4 bytes), where
 // Q4_0 has one fp16 scale (2 bytes) and a zero that is always 0: held in torch's form a
@@ -149,6 +149,91 @@ inline void band_dot(const uint8_t* band, const int8_t* qa, const float* da, con
     }
 }
 
+// Q4_K (Q == 3: 144 bytes) and Q5_K (Q == 4: 176 bytes) super-blocks of 256 weights: fp16 d
+// and dmin, 8 sub-blocks of 32 with a 6-bit scale and a 6-bit min each (12 bytes), Q5_K's
+// 32 bytes of fifth bits, then 128 bytes of nibbles (byte l of pair p: sub-block 2p's
+// value l low, 2p + 1's high). A weight is d * sc * q - dmin * m with q unsigned (0..15 or
+// 0..31), so a sub-block's dot product with 8-bit activations is
+// d * sc * sum(q * a) - dmin * m * sum(a): `vpmaddubsw` takes q as it is, and the min's
+// part comes from each activation block's integer sum (asum), both exact before scaling.
+constexpr int64_t kSuper = 256;
+
+template <int Q>
+inline void k_scales(const uint8_t* b, float* sc, float* mn) {
+    const float d = fp16_at(b), dmin = fp16_at(b + 2);
+    const uint8_t* s = b + 4;
+    for (int j = 0; j < 8; ++j) {
+        int scale, min;
+        if (j < 4) {
+            scale = s[j] & 63;
+            min = s[j + 4] & 63;
+        } else {
+            scale = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+            min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        sc[j] = d * static_cast<float>(scale);
+        mn[j] = dmin * static_cast<float>(min);
+    }
+}
+
+template <int Q, int R>
+inline void k_row_dot(const uint8_t* w, const int8_t* qa, const float* da, const float* asum,
+                      int64_t K, float* out, int64_t out_stride) {
+    constexpr int64_t bytes = Q == 3 ? 144 : 176;
+    const int64_t supers = K / kSuper, groups = K / kGroup;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    const __m256i one = _mm256_set1_epi8(1);
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    float mins[R];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_setzero_ps();
+        mins[r] = 0.0f;
+    }
+    for (int64_t s = 0; s < supers; ++s) {
+        const uint8_t* b = w + s * bytes;
+        float sc[8], mn[8];
+        k_scales<Q>(b, sc, mn);
+        const uint8_t* qs = b + (Q == 3 ? 16 : 48);
+        __m256i high = _mm256_setzero_si256();
+        if constexpr (Q == 4) high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+        for (int p = 0; p < 4; ++p) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p));
+            __m256i q0 = _mm256_and_si256(packed, low4);
+            __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            if constexpr (Q == 4) {
+                // bit 2p (2p + 1) of byte l is value l's fifth bit in sub-block 2p (2p + 1)
+                const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(high, 2 * p), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(high, 2 * p + 1), one);
+                q0 = _mm256_or_si256(q0, _mm256_slli_epi16(h0, 4));
+                q1 = _mm256_or_si256(q1, _mm256_slli_epi16(h1, 4));
+            }
+            const int64_t g0 = s * 8 + 2 * p, g1 = g0 + 1;
+            for (int r = 0; r < R; ++r) {
+                const int8_t* a = qa + r * K;
+                const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g0 * kGroup));
+                const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + g1 * kGroup));
+                const __m256 dot0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, a0), ones16));
+                const __m256 dot1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q1, a1), ones16));
+                const float d0 = da[r * groups + g0], d1 = da[r * groups + g1];
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc[2 * p] * d0), dot0, acc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(sc[2 * p + 1] * d1), dot1, acc[r]);
+                mins[r] += mn[2 * p] * d0 * asum[r * groups + g0] + mn[2 * p + 1] * d1 * asum[r * groups + g1];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) - mins[r];
+}
+
+// the integer sum of each block of 32 quantized activations: [M][K/32]
+void block_sums(const int8_t* q, int64_t M, int64_t K, float* sums) {
+    for (int64_t i = 0; i < M * K / kGroup; ++i) {
+        int32_t total = 0;
+        for (int64_t k = 0; k < kGroup; ++k) total += q[i * kGroup + k];
+        sums[i] = static_cast<float>(total);
+    }
+}
+
 // activations [M, K] bfloat16 -> int8 [M, K] and a float32 scale per block of 32
 void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d) {
     const int64_t groups = K / kGroup;
@@ -169,9 +254,20 @@ void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int8_t* q, float* d)
     }
 }
 
+// R activation rows against one weight row of qtype Q (asum: only the K-quants' mins use it)
+template <int Q, int R>
+inline void dot_rows(const uint8_t* w, const int8_t* qa, const float* da, const float* asum,
+                     int64_t K, float* out, int64_t out_stride) {
+    if constexpr (Q >= 3) {
+        k_row_dot<Q, R>(w, qa, da, asum, K, out, out_stride);
+    } else {
+        row_dot<Q, R>(w, qa, da, K, out, out_stride);
+    }
+}
+
 template <int Q>
 void each_row(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float* da,
-              int64_t M, int64_t K, int64_t N, float* out) {
+              const float* asum, int64_t M, int64_t K, int64_t N, float* out) {
     const int64_t groups = K / kGroup;
     // a task: at least ~256k multiply-adds, so small matrices do not pay for a thread
     const int64_t grain = std::max<int64_t>(1, 262144 / std::max<int64_t>(1, K * M));
@@ -180,10 +276,11 @@ void each_row(const uint8_t* w, int64_t row_bytes, const int8_t* qa, const float
             const uint8_t* row = w + n * row_bytes;
             int64_t m = 0;
             for (; m + kRows <= M; m += kRows)
-                row_dot<Q, kRows>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
+                dot_rows<Q, kRows>(row, qa + m * K, da + m * groups, asum + m * groups, K, out + m * N + n, N);
             for (; m + 2 <= M; m += 2)
-                row_dot<Q, 2>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
-            for (; m < M; ++m) row_dot<Q, 1>(row, qa + m * K, da + m * groups, K, out + m * N + n, N);
+                dot_rows<Q, 2>(row, qa + m * K, da + m * groups, asum + m * groups, K, out + m * N + n, N);
+            for (; m < M; ++m)
+                dot_rows<Q, 1>(row, qa + m * K, da + m * groups, asum + m * groups, K, out + m * N + n, N);
         }
     });
 }
@@ -221,13 +318,20 @@ void each_band(const uint8_t* w, const int8_t* qa, const float* da, const float*
 
 at::Tensor q_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x: bfloat16 [M, K]");
-    TORCH_CHECK(qtype >= 0 && qtype <= 2, "qtype: 0 (Q4_0), 1 (Q8_0) or 2 (Q4_0 by 4 rows)");
+    TORCH_CHECK(qtype >= 0 && qtype <= 4,
+                "qtype: 0 (Q4_0), 1 (Q8_0), 2 (Q4_0 by 4 rows), 3 (Q4_K) or 4 (Q5_K)");
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "blocks: uint8 [N, bytes]");
     const int64_t M = x.size(0), K = x.size(1);
     const int64_t N = qtype == 2 ? blocks.size(0) * kBand : blocks.size(0);
-    const int64_t bytes = qtype == 0 ? kQ4Bytes : qtype == 1 ? kQ8Bytes : kBandBytes;
-    TORCH_CHECK(K % kGroup == 0 && blocks.size(1) == K / kGroup * bytes,
-                "K must be a multiple of 32 and match the blocks");
+    const bool k_quant = qtype >= 3;
+    const int64_t unit = k_quant ? kSuper : kGroup;  // weights a block holds
+    const int64_t bytes = qtype == 0   ? kQ4Bytes
+                          : qtype == 1 ? kQ8Bytes
+                          : qtype == 2 ? kBandBytes
+                          : qtype == 3 ? 144
+                                       : 176;
+    TORCH_CHECK(K % unit == 0 && blocks.size(1) == K / unit * bytes,
+                "K must be a multiple of the block (32, or 256 for K-quants) and match the blocks");
     const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
     at::Tensor out = at::empty({M, N}, x.options());
     if (M == 0 || N == 0) return out;
@@ -242,10 +346,11 @@ at::Tensor q_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
         each_band(bc.data_ptr<uint8_t>(), qa.data_ptr<int8_t>(), da.data_ptr<float>(),
                   corr.data_ptr<float>(), M, K, N, sums.data_ptr<float>());
     } else {
-        const int64_t row_bytes = K / kGroup * bytes;
-        auto run = qtype == 0 ? each_row<0> : each_row<1>;
-        run(bc.data_ptr<uint8_t>(), row_bytes, qa.data_ptr<int8_t>(), da.data_ptr<float>(), M, K,
-            N, sums.data_ptr<float>());
+        at::Tensor asum = at::empty({k_quant ? M : 0, K / kGroup}, x.options().dtype(at::kFloat));
+        if (k_quant) block_sums(qa.data_ptr<int8_t>(), M, K, asum.data_ptr<float>());
+        auto run = qtype == 0 ? each_row<0> : qtype == 1 ? each_row<1> : qtype == 3 ? each_row<3> : each_row<4>;
+        run(bc.data_ptr<uint8_t>(), K / unit * bytes, qa.data_ptr<int8_t>(), da.data_ptr<float>(),
+            asum.data_ptr<float>(), M, K, N, sums.data_ptr<float>());
     }
     const float* s = sums.data_ptr<float>();
     uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -259,7 +364,7 @@ at::Tensor q_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
 // in one pass per row on torch's threads instead of several passes over the whole matrix
 // (a Llama-8B head: about 18 s in numpy and torch).
 std::tuple<at::Tensor, at::Tensor> q6_k_to_int8(const at::Tensor& blocks, int64_t K) {
-    constexpr int64_t kSuper = 256, kSuperBytes = 210;
+    constexpr int64_t kSuperBytes = 210;
     TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "blocks: uint8 [N, bytes]");
     TORCH_CHECK(K % kSuper == 0 && blocks.size(1) == K / kSuper * kSuperBytes,
                 "K must be a multiple of 256 and match the blocks");

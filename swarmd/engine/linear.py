@@ -212,13 +212,15 @@ class Int8Dot(_Quantized):
 
 
 class Blocks(_Quantized):
-    """A GGUF Q4_0 / Q8_0 matrix in the file's own blocks, `blocks.cpp`'s kernel: held in
-    the file's bytes (Q4_0: 0.5625 bytes a weight, where torch's int4 form takes 0.625)."""
+    """A GGUF Q4_0 / Q8_0 / Q4_K / Q5_K matrix in the file's own blocks, `blocks.cpp`'s
+    kernel: held in the file's bytes (Q4_0 and Q4_K: 0.5625 bytes a weight, where torch's
+    int4 form takes 0.625; Q5_K: 0.6875, where int8 takes 1.0)."""
 
     def __init__(
         self, weight: quant.Blocks, bias: torch.Tensor | None, op: Callable[..., torch.Tensor]
     ) -> None:
         self.fmt = quant.BLOCK_FORMATS[weight.qtype]
+        self.qtype = weight.qtype
         self.data = weight.data.contiguous()  # uint8 [N, K / 32 * block bytes]
         self.code = native.BLOCK_TYPES[weight.qtype]
         n = int(self.data.shape[0])
@@ -241,6 +243,8 @@ class Blocks(_Quantized):
             d = bands[..., :8].reshape(count, groups, native.BAND_ROWS, 2)[which, :, j]
             scale = d.contiguous().view(torch.float16).float()  # [C, G, 1]
             nibbles = bands[..., 8:].reshape(count, groups, native.BAND_ROWS, 16)[which, :, j]
+        elif self.qtype in ("Q4_K", "Q5_K"):  # super-blocks of 256: gguf's own arithmetic
+            return quant.dequantize(quant.Blocks(self.qtype, self.data[rows], 0))
         else:
             width = 18 if self.code == native.BLOCK_TYPES["Q4_0"] else 34
             blocks = self.data[rows].view(len(rows), -1, width)

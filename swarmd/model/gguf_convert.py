@@ -3,9 +3,9 @@ weights in the chosen format, written once into the user's cache.
 
 Weights keep what the file is where that is exact: Q4_0, Q4_1 and Q4_K blocks become int4
 group-32 matrices bit for bit (`quant.int4_from_gguf`). Other types are dequantized with
-gguf's own reader and requantized once: Q5_x to int4 (from 32 levels per group to 16: the
-size and speed of a 4-bit file, at Q4_1's precision) and Q6_K / Q8_0 to int8 per row (the
-int8 kernel has one scale per row, so a block format's scales do not carry over). F16 and
+gguf's own reader and requantized once: Q5_x, Q6_K and Q8_0 to int8 per row (the int8
+kernel has one scale per row, so a block format's scales do not carry over; Q5's 32
+levels a group are kept, where int4 would cut them to 16). F16 and
 BF16 become bf16, F32 stays fp32. `--weights X` converts every layer matrix to X instead.
 The embeddings and the LM head are int8 whenever the layers are quantized (measured: see
 `head_format`), else the dense format.
@@ -56,9 +56,9 @@ AUTO_FORMATS = {
     "Q4_0": "int4",
     "Q4_1": "int4",
     "Q4_K": "int4",
-    "Q5_0": "int4",
-    "Q5_1": "int4",
-    "Q5_K": "int4",
+    "Q5_0": "int8",
+    "Q5_1": "int8",
+    "Q5_K": "int8",
     "Q6_K": "int8",
     "Q8_0": "int8",
     "F16": "bf16",
@@ -228,11 +228,12 @@ def _convert(plan: Plan, data: np.ndarray) -> dict[str, torch.Tensor]:
     return quant.file_tensors(plan.name, stored_matrix(plan, data))
 
 
-# Block types a node keeps as the file holds them where the block kernel runs: Q4_0, where
-# holding them saves 10 % of the bytes and the kernel was measured faster than torch's
-# int4. The kernel also reads Q8_0 (tested), but an int8 row form holds Q8_0 in fewer
-# bytes and its speed against swarmd's AVX-512 int8 kernel is not measured: int8 still.
-KEPT_BLOCKS = frozenset({"Q4_0"})
+# Block types a node keeps as the file holds them where the block kernel runs: Q4_0 (10 %
+# fewer bytes than torch's int4 form, and faster), Q4_K (the same values as int4 in 10 %
+# fewer bytes) and Q5_K (its own precision in 0.69 bytes a weight, where int8 takes 1.0).
+# The kernel also reads Q8_0 (tested), but an int8 row form holds Q8_0 in fewer bytes and
+# its speed against swarmd's AVX-512 int8 kernel is not measured: int8 still.
+KEPT_BLOCKS = frozenset({"Q4_0", "Q4_K", "Q5_K"})
 
 
 def stored_matrix(plan: Plan, data: np.ndarray, keep_blocks: bool = False) -> quant.Stored:
@@ -240,7 +241,12 @@ def stored_matrix(plan: Plan, data: np.ndarray, keep_blocks: bool = False) -> qu
     planned format: Q4 blocks as int4 exactly, others requantized, floats as floats; with
     `keep_blocks`, Q4_0 matrices planned as int4 stay the file's blocks (`KEPT_BLOCKS`)."""
     order = _unpermute_index(plan.shape[0], plan.permute_heads) if plan.permute_heads else None
-    if keep_blocks and len(plan.shape) == 2 and plan.qtype in KEPT_BLOCKS and plan.fmt == "int4":
+    if (
+        keep_blocks
+        and len(plan.shape) == 2
+        and plan.qtype in KEPT_BLOCKS
+        and plan.fmt == quant.BLOCK_FORMATS[plan.qtype]
+    ):
         blocks = quant.Blocks(plan.qtype, torch.from_numpy(np.array(data)), plan.shape[1])
         return blocks if order is None else blocks.rows(order)
     if plan.fmt == "int4" and plan.qtype in quant.INT4_EXACT_GGUF:

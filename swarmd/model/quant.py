@@ -60,10 +60,11 @@ class Int8:
 @dataclass(frozen=True)
 class Blocks:
     """A GGUF matrix kept in the file's own blocks (Q4_0: 18 bytes per 32 weights, Q8_0:
-    34), for a kernel that reads them as they are (`engine/blocks.cpp`). Stands for the
-    same matrix as the int4 (Q4_0) or int8 (Q8_0) form of its values."""
+    34, Q4_K: 144 per 256, Q5_K: 176), for a kernel that reads them as they are
+    (`engine/blocks.cpp`). Stands for the same matrix as the `BLOCK_FORMATS` form of its
+    values."""
 
-    qtype: str  # "Q4_0" | "Q8_0"
+    qtype: str  # a key of BLOCK_FORMATS
     data: torch.Tensor  # uint8 [N, K / 32 * block bytes]
     k: int
 
@@ -75,7 +76,9 @@ class Blocks:
         return Blocks(self.qtype, self.data[index], self.k)
 
 
-BLOCK_FORMATS = {"Q4_0": "int4", "Q8_0": "int8"}  # what each kept block type stands for
+# What each kept block type stands for where its kernel cannot run: Q4_0 and Q4_K are int4
+# exactly; Q8_0 and Q5_K become int8 per row (Q5's 32 levels a group kept, not cut to 16).
+BLOCK_FORMATS = {"Q4_0": "int4", "Q4_K": "int4", "Q8_0": "int8", "Q5_K": "int8"}
 
 Quantized = Int4 | Int8
 Stored = torch.Tensor | Int4 | Int8 | Blocks  # a matrix as files hold it: floats, or quantized
@@ -286,12 +289,12 @@ def stored_specs(name: str, fmt: str, shape: tuple[int, ...]) -> list[TensorSpec
 
 
 def unblocked(stored: Stored) -> Stored:
-    """Kept blocks as the int4 (Q4_0, exactly) or int8 (Q8_0, requantized per row) form of
-    their values, for torch's kernels and files; anything else as it is."""
+    """Kept blocks as the int4 (Q4_0, Q4_K: exactly) or int8 (Q8_0, Q5_K: requantized per
+    row) form of their values, for torch's kernels and files; anything else as it is."""
     if not isinstance(stored, Blocks):
         return stored
-    if stored.qtype == "Q4_0":
-        return int4_from_gguf(stored.data.numpy(), "Q4_0", stored.k)
+    if stored.qtype in INT4_EXACT_GGUF:
+        return int4_from_gguf(stored.data.numpy(), stored.qtype, stored.k)
     rows = int(stored.data.shape[0])
     return cat_rows(
         [

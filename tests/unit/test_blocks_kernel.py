@@ -42,8 +42,13 @@ def _reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-@pytest.mark.parametrize("shape", [(64, 96), (160, 256), (48, 1024)])
+@pytest.mark.parametrize(
+    ("qtype", "shape"),
+    [
+        *((q, shape) for q in ("Q4_0", "Q8_0") for shape in ((64, 96), (160, 256), (48, 1024))),
+        *((q, shape) for q in ("Q4_K", "Q5_K") for shape in ((64, 256), (160, 512), (48, 2048))),
+    ],
+)
 def test_block_kernel_matches_integer_sums(qtype: str, shape: tuple[int, int]) -> None:
     rng = np.random.default_rng(shape[0])
     n, k = shape
@@ -61,7 +66,7 @@ def test_block_kernel_matches_integer_sums(qtype: str, shape: tuple[int, int]) -
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_row_has_the_same_bits_alone_and_in_any_batch(qtype: str, threads: int) -> None:
     rng = np.random.default_rng(1)
@@ -96,19 +101,19 @@ def test_q4_0_bands_hold_the_files_bytes() -> None:
     )
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q5_K"])
 def test_without_the_kernel_blocks_become_torchs_forms(
     qtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where the block kernel cannot run, Q4_0 is held as int4 (the same values exactly)
-    and Q8_0 as int8 per row, on torch's kernels."""
+    """Where the block kernel cannot run, Q4_0 and Q4_K are held as int4 (the same values
+    exactly) and Q8_0 and Q5_K as int8 per row, on torch's kernels."""
     monkeypatch.setattr(native, "blocks_op", lambda: None)
     raw = random_blocks(qtype, 64, 256, np.random.default_rng(3))
     stored = quant.Blocks(qtype, torch.from_numpy(raw), 256)
     matrix = make_matrix(stored, None, torch.bfloat16)
     assert not isinstance(matrix, Blocks) and matrix.fmt == quant.BLOCK_FORMATS[qtype]
     values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
-    if qtype == "Q4_0":
+    if qtype in ("Q4_0", "Q4_K"):
         assert torch.equal(quant.dequantize(quant.unblocked(stored)), values)  # type: ignore[arg-type]
     x = torch.randn(2, 256).to(torch.bfloat16)
     dense = x.float() @ values.T
@@ -128,12 +133,15 @@ def test_q6_k_requantizes_to_the_bits_of_the_float_path(shape: tuple[int, int]) 
 
 
 @needs_kernel
-@pytest.mark.parametrize(("qtype", "n"), [("Q4_0", 64), ("Q4_0", 66), ("Q8_0", 64)])
+@pytest.mark.parametrize(
+    ("qtype", "n"), [("Q4_0", 64), ("Q4_0", 66), ("Q8_0", 64), ("Q4_K", 64), ("Q5_K", 66)]
+)
 def test_a_heads_rows_read_back_as_the_files_values(qtype: str, n: int) -> None:
     """What near ties are settled with (engine/ties.py): rows of a held head, banded or
     not, are exactly the file's dequantized rows."""
-    raw = random_blocks(qtype, n, 128, np.random.default_rng(5))
-    matrix = make_matrix(quant.Blocks(qtype, torch.from_numpy(raw), 128), None, torch.bfloat16)
+    k = 256
+    raw = random_blocks(qtype, n, k, np.random.default_rng(5))
+    matrix = make_matrix(quant.Blocks(qtype, torch.from_numpy(raw), k), None, torch.bfloat16)
     assert isinstance(matrix, Blocks)
     values = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]))
     rows = torch.tensor([0, 5, 3, n - 1, 5])
