@@ -109,6 +109,72 @@ def test_kept_blocks_are_the_files_bytes_and_close_to_the_converted_copy(
     assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
 
 
+@pytest.fixture(scope="module")
+def k_quants(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A K-quant file as llama.cpp's Q4_K_M / Q5_K_M mixes make them."""
+    folder = tmp_path_factory.mktemp("k-quants")
+    types = {"ffn_down.weight": "Q6_K", "ffn_up.weight": "Q5_K", "output.weight": "Q6_K"}
+    return write_llama_gguf(folder / "k.gguf", SHAPES["tiny"], types, default="Q4_K")
+
+
+def test_k_quant_blocks_are_the_files_bytes_and_close_to_the_converted_copy(
+    k_quants: Path, caches: tuple[Path, Path]
+) -> None:
+    from gguf import GGUFReader
+
+    from swarmd.engine import native
+    from swarmd.engine.linear import Blocks
+
+    model = load_model(resolve_model(str(k_quants), caches[0]), None)
+    converted = load_model(resolve_folder(str(k_quants), caches[1]), None)
+    kept = [m for m in _matrices(model.stage) if isinstance(m, Blocks)]
+    if native.blocks_op() is None:  # no AVX2: torch's int4 and int8 serve, as converted
+        assert kept == []
+        return
+    assert {m.qtype for m in kept} == {"Q4_K", "Q5_K"}
+    file_bytes = sum(
+        int(t.n_bytes)
+        for t in GGUFReader(k_quants).tensors
+        if t.tensor_type.name in ("Q4_K", "Q5_K") and t.name.startswith("blk.")
+    )
+    assert sum(m.data.numel() for m in kept) == file_bytes  # the file's bytes, none added
+    ours = _run(model.stage, PROMPT).float()
+    theirs = _run(converted.stage, PROMPT).float()
+    assert torch.isfinite(ours).all()
+    assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def _matrices(stage: object) -> list[object]:
+    found = []
+    for block in stage.blocks:  # type: ignore[attr-defined]
+        for part in vars(block).values():
+            groups = getattr(part, "groups", None)
+            if groups is not None:
+                found.extend(m for m, _ in groups)
+    return found
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K"])
+def test_q5_keeps_its_32_levels(qtype: str, tmp_path: Path, no_blocks: None) -> None:
+    """Held without the block kernel, a Q5 matrix is int8 per row: within half an int8 step
+    of the file's values, where int4 (16 levels a group) would lose a bit of each."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from swarmd.model import quant
+
+    path = write_llama_gguf(tmp_path / "q5.gguf", SHAPES["tiny"], {"ffn_up.weight": qtype})
+    source = resolve_model(str(path), tmp_path / "cache")
+    tensor = next(t for t in GGUFReader(path).tensors if t.name == "blk.1.ffn_up.weight")
+    file_values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).float()
+    with open_tensors(source, LayerRange(0, 4), "auto") as tensors:
+        stored = tensors.matrix("model.layers.1.mlp.up_proj.weight")
+    assert quant.stored_format(stored) == "int8"
+    held = quant.dequantize(stored)  # type: ignore[arg-type]
+    step = file_values.abs().amax(dim=1, keepdim=True) / 127
+    assert ((held - file_values).abs() <= step * 0.5001 + 1e-7).all()
+
+
 def _same_bits(gguf: Path, caches: tuple[Path, Path], weights: str) -> None:
     in_place = resolve_model(str(gguf), caches[0])
     assert in_place.gguf == gguf.resolve()
