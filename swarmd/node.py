@@ -124,18 +124,19 @@ class Node:
                     self.metrics.stage_forward.observe,
                     kv_share=1.0 / len(models),  # the measured budget, shared out
                 )
+        chunk_tokens = prefill_chunk(config, [h.model for h in self.held.values()])
         limits = CoordinatorLimits(
             max_sessions=config.max_sessions,
             queue_timeout_s=config.queue_timeout_s,
             step_timeout_s=config.step_timeout_s,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            prefill_chunk_tokens=chunk_tokens,
             max_queued_requests=config.max_queued_requests,
         )
         chain_settings = ChainSettings(
             model_id="",  # each request's model and sizes replace these three
             num_layers=0,
             vocab_size=0,
-            chunk_tokens=config.prefill_chunk_tokens,
+            chunk_tokens=chunk_tokens,
             max_failovers=config.max_failovers,
             # The ring waits a little longer than a stage's own step limit, so a slow
             # stage reports its timeout before the ring blames silence.
@@ -638,6 +639,35 @@ async def _single_threaded() -> None:
     from swarmd.model.threads import keep_this_thread_single_threaded
 
     keep_this_thread_single_threaded()
+
+
+# A prompt chunk may take this share of a step's time limit, by the held models' speed.
+CHUNK_SHARE_OF_STEP = 0.25
+MIN_PREFILL_CHUNK = 16
+
+
+def prefill_chunk(config: Config, models: list[LoadedModel]) -> int:
+    """Prompt tokens per forward step: `prefill_chunk_tokens`, fewer where a chunk of that
+    many would take a held model (at its trial prefill's pace, every layer counted) more
+    than a quarter of `step_timeout_s`: an 8B model on a slow CPU runs a long prompt in
+    several steps instead of one that times out."""
+    chunk = config.prefill_chunk_tokens
+    budget = config.step_timeout_s * CHUNK_SHARE_OF_STEP
+    for model in models:
+        if model.prompt_token_s > 0 and chunk * model.prompt_token_s > budget:
+            fits = max(MIN_PREFILL_CHUNK, int(budget / model.prompt_token_s))
+            if fits < chunk:
+                log.info(
+                    "prompts run in chunks of %d tokens, not %d: a prompt token costs %s "
+                    "about %.0f ms here, and a step must end within %.0f s",
+                    fits,
+                    chunk,
+                    model.model_id,
+                    model.prompt_token_s * 1000,
+                    config.step_timeout_s,
+                )
+                chunk = fits
+    return chunk
 
 
 def check_api_exposure(config: Config) -> None:

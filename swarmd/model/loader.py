@@ -38,7 +38,7 @@ from swarmd.model.grammar import Constraint, GrammarSpec, Vocabulary, compile_gr
 from swarmd.model.hashing import verify_files
 from swarmd.model.layers import LayerRange
 from swarmd.model.quant import StoredTensors, TensorSource
-from swarmd.model.runtime import Stage, trial_forward
+from swarmd.model.runtime import TRIAL_PROMPT, Stage, trial_forward
 from swarmd.model.source import ModelSource
 from swarmd.model.text import TextCodec
 
@@ -60,6 +60,9 @@ class LoadedModel:
     backend: str  # ENGINE or TRANSFORMERS
     stage: Stage
     codec: TextCodec
+    # What a prompt token costs the whole model at this stage's speed (its trial prefill,
+    # scaled to every layer): bounds the prefill chunks that must fit in a step timeout.
+    prompt_token_s: float = 0.0
 
     @property
     def num_layers(self) -> int:
@@ -155,13 +158,24 @@ def load_model(
         tensors.close()
     try:
         # A stage that cannot run refuses to start here, not on every request once announced.
-        trial_forward(stage)
+        trial_s = trial_forward(stage)
     except (RuntimeError, ValueError, IndexError) as exc:
         raise ModelLoadError(
             f"Layers {layer_range} of {source.model_id} do not run: {exc}"
         ) from exc
+    token_s = trial_s / TRIAL_PROMPT * num_layers / max(1, layer_range.size)
     model = LoadedModel(
-        source.model_id, source, config, layer_range, label, dtype, hidden, backend, stage, codec
+        source.model_id,
+        source,
+        config,
+        layer_range,
+        label,
+        dtype,
+        hidden,
+        backend,
+        stage,
+        codec,
+        token_s,
     )
     log.info(
         "loaded %s layers %s of %d (%s weights; this range holds %s; %s kernels; %s; "

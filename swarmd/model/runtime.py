@@ -55,16 +55,30 @@ class Stage(Protocol):
         ...
 
 
-def trial_forward(stage: Stage) -> None:
-    """One small prefill and one decode step outside any session."""
+TRIAL_PROMPT = 4  # tokens of the trial forward's prefill
+
+
+def trial_forward(stage: Stage) -> float:
+    """One small prefill and one decode step outside any session; the seconds the prefill
+    took (a first step: an upper bound of what a prompt token costs this stage)."""
     cache = stage.new_cache(8)
     if stage.is_first:
-        chunks = [torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)]
+        chunks = [
+            torch.zeros(1, TRIAL_PROMPT, dtype=torch.long),
+            torch.zeros(1, 1, dtype=torch.long),
+        ]
     else:
-        chunks = [torch.zeros(1, 4, stage.hidden_size), torch.zeros(1, 1, stage.hidden_size)]
+        chunks = [
+            torch.zeros(1, TRIAL_PROMPT, stage.hidden_size),
+            torch.zeros(1, 1, stage.hidden_size),
+        ]
+    took = []
     with torch.inference_mode():
         for chunk in chunks:
+            started = time.perf_counter()
             stage(chunk, cache)
+            took.append(time.perf_counter() - started)
+    return took[0]
 
 
 @dataclass
