@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from procstat import free_port  # noqa: E402
+from procstat import free_port, stop, wait_healthy  # noqa: E402
 
 from tests.gguf_files import SHAPES, write_llama_gguf  # noqa: E402
 
@@ -154,30 +154,6 @@ def _timing(headers: dict[str, str], name: str) -> float:
     raise KeyError(name)
 
 
-def _wait(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) before it served")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise SystemExit("the server did not answer in time")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def start(
     server: str, path: Path, args: argparse.Namespace, work: Path, layers: str = ""
 ) -> tuple[subprocess.Popen[bytes], int, float]:
@@ -222,7 +198,7 @@ def start(
     log = (work / f"{server}.log").open("ab")
     started = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    _wait(port, proc)
+    wait_healthy(port, proc)
     return proc, port, time.monotonic() - started
 
 
@@ -247,7 +223,7 @@ def measure(server: str, path: Path, args: argparse.Namespace, work: Path) -> Ru
             decode = (tokens - 1) / _timing(headers, "decode")
         mem = _status_mb(proc.pid)
     finally:
-        _stop(proc)
+        stop(proc)
     return Run(
         server,
         start_s,
@@ -277,7 +253,7 @@ def main() -> None:
             read = weight_bytes_per_token(path)
             work = Path(tempfile.mkdtemp(prefix="big-"))
             first = start("swarmd", path, args, work)
-            _stop(first[0])
+            stop(first[0])
             print(
                 f"\n{path.name}: {path.stat().st_size / 1e9:.2f} GB, {read / 1e9:.2f} GB of "
                 f"weights read per token (limit {bandwidth * 1e9 / read:.2f} tok/s); swarmd's "
@@ -301,7 +277,7 @@ def main() -> None:
                 layers = SHAPES[shape].layers
                 proc, _, start_s = start("swarmd", path, args, work, f"0:{layers // 2}")
                 mem = _status_mb(proc.pid)
-                _stop(proc)
+                stop(proc)
                 print(
                     f"  half node 0:{layers // 2}: start {start_s:.1f} s, rss "
                     f"{mem['VmRSS']:.0f} MB (anon {mem.get('RssAnon', 0):.0f}), peak "

@@ -1,4 +1,5 @@
-"""What the benchmarks read from /proc and the socket layer (shared by bench/*.py).
+"""What the benchmarks read from /proc and the socket layer, and the servers they start
+and stop (shared by bench/*.py).
 
 CPU figures come from /proc (Linux): busy seconds of the whole machine and of one
 process, so a benchmark can tell whether other processes were competing for the cores.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
@@ -39,3 +43,29 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
+    """Until the server on `port` answers /health with 200 (SystemExit if it exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode}) before it served")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit("the server did not answer in time")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a process this benchmark started, killed after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
