@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from swarmd.errors import ModelLoadError, ShardHashError
@@ -18,14 +20,25 @@ _READ_BYTES = 1 << 20
 
 
 def hash_file(path: Path, chunk_bytes: int) -> tuple[str, tuple[str, ...]]:
-    """SHA-256 of the whole file and of each `chunk_bytes` piece."""
+    """SHA-256 of the whole file and of each `chunk_bytes` piece.
+
+    Each piece is hashed twice (into the whole and on its own); the two run on two threads
+    (hashlib lets go of the GIL), so a 5 GB GGUF hashes in about the time of one pass."""
     whole = hashlib.sha256()
     chunks: list[str] = []
-    with path.open("rb") as handle:
+    pending: deque[Future[str]] = deque()
+    with path.open("rb") as handle, ThreadPoolExecutor(max_workers=1) as pool:
         while piece := handle.read(chunk_bytes):
+            pending.append(pool.submit(_hex, piece))
             whole.update(piece)
-            chunks.append(hashlib.sha256(piece).hexdigest())
+            while len(pending) > 2:  # a few pieces in memory at most
+                chunks.append(pending.popleft().result())
+        chunks.extend(f.result() for f in pending)
     return whole.hexdigest(), tuple(chunks)
+
+
+def _hex(piece: bytes) -> str:
+    return hashlib.sha256(piece).hexdigest()
 
 
 def file_sha256(path: Path) -> str:
