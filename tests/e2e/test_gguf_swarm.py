@@ -34,10 +34,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return one, two
 
 
+@pytest.fixture(scope="module")
+def holders_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the holders of the files (each file's header read once, under its
+    lock, as nodes of one user on one machine share it); the gateway and the fetcher have
+    their own."""
+    return tmp_path_factory.mktemp("holders-cache")
+
+
 @contextlib.contextmanager
-def node(factory: pytest.TempPathFactory, name: str, *args: str) -> Iterator[NodeProcess]:
-    """A node with a cache of its own (nothing shared with the others but the files)."""
-    cache = factory.mktemp(f"{name}-cache")
+def node(
+    factory: pytest.TempPathFactory, name: str, *args: str, cache: Path | None = None
+) -> Iterator[NodeProcess]:
+    """A node with the cache `cache`, else one of its own."""
+    cache = cache or factory.mktemp(f"{name}-cache")
     with running_node(factory, name, ["--cache-dir", str(cache), *args]) as started:
         started.cache = cache  # type: ignore[attr-defined]
         yield started
@@ -45,21 +55,25 @@ def node(factory: pytest.TempPathFactory, name: str, *args: str) -> Iterator[Nod
 
 @pytest.fixture(scope="module")
 def first(
-    files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    files: tuple[Path, Path], holders_cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[NodeProcess]:
     """Layers 0:2 of the first file."""
     args = ("--model", str(files[0]), "--layers", "0:2", "--torch-threads", "1")
-    with node(tmp_path_factory, "first", *args) as started:
+    with node(tmp_path_factory, "first", *args, cache=holders_cache) as started:
         yield started
 
 
 @pytest.fixture(scope="module")
 def second(
-    files: tuple[Path, Path], first: NodeProcess, tmp_path_factory: pytest.TempPathFactory
+    files: tuple[Path, Path],
+    first: NodeProcess,
+    holders_cache: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[NodeProcess]:
-    """Layers 2:4 of the same file, read in place and hashed by this node itself."""
+    """Layers 2:4 of the same file, read in place."""
     args = ("--model", str(files[0]), "--layers", "2:4", "--torch-threads", "1")
-    with node(tmp_path_factory, "second", *args, "--bootstrap", first.p2p_addrs[0]) as started:
+    args += ("--bootstrap", first.p2p_addrs[0])
+    with node(tmp_path_factory, "second", *args, cache=holders_cache) as started:
         yield started
 
 
@@ -139,14 +153,18 @@ def test_a_node_without_the_file_fetches_it_checked_and_serves_the_same_replies(
 
 
 def test_two_files_under_one_name_are_never_joined_in_one_reply(
-    files: tuple[Path, Path], first: NodeProcess, tmp_path_factory: pytest.TempPathFactory
+    files: tuple[Path, Path],
+    first: NodeProcess,
+    holders_cache: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """The second file's layers 2:4 beside the first file's 0:2, under one model id: their
     content ids differ, so the second file's holder has no route (no holder of 0:2 of
     its file) and answers 503, and no reply of the first file's goes through it."""
     assert wait_until(lambda: answers(first), 60, 0.5)
     args = ("--model", str(files[1]), "--layers", "2:4", "--torch-threads", "1")
-    with node(tmp_path_factory, "stranger", *args, "--bootstrap", first.p2p_addrs[0]) as other:
+    args += ("--bootstrap", first.p2p_addrs[0])
+    with node(tmp_path_factory, "stranger", *args, cache=holders_cache) as other:
         stranger = short(other)
         assert wait_until(lambda: stranger in str(first.get_json("/api/peers")), 30, 0.5)
         for _ in range(3):
