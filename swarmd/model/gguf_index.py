@@ -10,6 +10,7 @@ length); `tensor_data` views its bytes in a memory map the way gguf's reader sha
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,9 @@ def write_index(folder: Path, architecture: str, entries: list[GgufEntry]) -> No
         "architecture": architecture,
         "tensors": [[e.name, e.qtype, list(e.shape), e.offset, e.nbytes] for e in entries],
     }
-    (folder / INDEX_FILE).write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    scratch = folder / f".{INDEX_FILE}.tmp"  # a reader never sees half an index
+    scratch.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    os.replace(scratch, folder / INDEX_FILE)
 
 
 def read_index(folder: Path) -> tuple[str, list[GgufEntry]]:

@@ -52,8 +52,7 @@ def is_gguf_manifest(manifest: Manifest) -> bool:
 
 def gguf_manifest(gguf: Path, meta: Path, model_id: str, models: Path) -> Manifest:
     """The manifest of `gguf` (metadata folder `meta`), built once per file version."""
-    stat = gguf.stat()
-    key = f"manifest|{model_id}|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = f"manifest|{model_id}|{version_key(gguf)}"
     content_id = read_memo(models).get(key)
     if isinstance(content_id, str):
         try:
@@ -88,7 +87,7 @@ def _build(gguf: Path, meta: Path, model_id: str, models: Path) -> Manifest:
         len(chunks),
         time.monotonic() - started,
     )
-    _remember_sha256(gguf, models, whole)
+    remember(models, version_key(gguf), whole)  # what `verify_gguf` checks against
     common = []
     for name in COMMON_FILES:
         path = meta / name
@@ -121,8 +120,7 @@ def verify_gguf(gguf: Path, manifest: Manifest, models: Path) -> None:
 def remembered_sha256(gguf: Path, models: Path) -> str:
     """The file's SHA-256, remembered by path, size and mtime: hashing a 4 GB file on
     every start would cost seconds."""
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = version_key(gguf)
     digest = read_memo(models).get(key)
     if isinstance(digest, str) and len(digest) == 64:
         return digest
@@ -133,9 +131,10 @@ def remembered_sha256(gguf: Path, models: Path) -> str:
     return digest
 
 
-def _remember_sha256(gguf: Path, models: Path, digest: str) -> None:
+def version_key(gguf: Path) -> str:
+    """One version of a file: its path, size and modification time."""
     stat = gguf.stat()
-    remember(models, f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}", digest)
+    return f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
 def read_memo(models: Path) -> dict[str, object]:

@@ -35,11 +35,14 @@ from swarmd.model.gguf_manifest import (
     read_memo,
     remember,
     remembered_sha256,
+    version_key,
 )
 from swarmd.model.manifest import MANIFEST_FILE, Manifest, parse_manifest
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
+
+    from swarmd.model.gguf_index import GgufEntry
 
 log = logging.getLogger(__name__)
 
@@ -116,24 +119,26 @@ def manifest_source(folder: Path, manifest: Manifest) -> ModelSource:
 
 
 def _index_fetched(folder: Path, gguf: Path, manifest: Manifest) -> None:
-    from swarmd.model.gguf_convert import check_tensor_types, gguf_architecture, open_gguf
-    from swarmd.model.gguf_index import INDEX_FILE, entries_of, write_index
+    from swarmd.model.gguf_index import INDEX_FILE, write_index
 
     if not (folder / "config.json").is_file():
         scratch = folder / ".config.json.tmp"
         scratch.write_text(json.dumps(manifest.config, indent=1) + "\n")
         os.replace(scratch, folder / "config.json")
-    if (folder / INDEX_FILE).is_file():
-        return
-    reader = open_gguf(gguf)
-    entries = entries_of(reader)
+    if not (folder / INDEX_FILE).is_file():
+        write_index(folder, *_tensor_index(gguf))
+
+
+def _tensor_index(gguf: Path, reader: GGUFReader | None = None) -> tuple[str, list[GgufEntry]]:
+    """The file's architecture and tensor index from its header (ModelLoadError for a
+    tensor type swarmd does not run)."""
+    from swarmd.model.gguf_convert import check_tensor_types, gguf_architecture, open_gguf
+    from swarmd.model.gguf_index import entries_of
+
+    header = reader or open_gguf(gguf)
+    entries = entries_of(header)
     check_tensor_types(entries)
-    scratch_dir = Path(tempfile.mkdtemp(prefix=".index-", dir=folder))
-    try:
-        write_index(scratch_dir, gguf_architecture(gguf, reader), entries)
-        os.replace(scratch_dir / INDEX_FILE, folder / INDEX_FILE)
-    finally:
-        shutil.rmtree(scratch_dir, ignore_errors=True)
+    return gguf_architecture(gguf, header), entries
 
 
 def resolve_folder(spec: str, cache_dir: Path, weights: str = AUTO) -> ModelSource:
@@ -212,17 +217,12 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     """The metadata folder of a GGUF file: config, tokenizer and tensor index, written
     once per file header (the weights are never copied). Named by a hash of the header,
     which is all it is made from, so reading it never reads the weights."""
-    from swarmd.model.gguf_convert import (  # gguf, transformers: only for a new file
-        check_tensor_types,
-        gguf_architecture,
-        open_gguf,
-        write_config_and_tokenizer,
-    )
-    from swarmd.model.gguf_index import entries_of, write_index
+    # gguf, transformers: only for a new file
+    from swarmd.model.gguf_convert import open_gguf, write_config_and_tokenizer
+    from swarmd.model.gguf_index import write_index
 
     models = cache_dir / "models"
-    stat = gguf.stat()
-    key = f"header|{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = f"header|{version_key(gguf)}"
     digest = read_memo(models).get(key)
     reader = None
     if not (isinstance(digest, str) and len(digest) == 64):
@@ -236,9 +236,7 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     def write(scratch: Path) -> None:
         started = time.monotonic()
         header = reader or open_gguf(gguf)
-        architecture = gguf_architecture(gguf, header)
-        entries = entries_of(header)
-        check_tensor_types(entries)
+        architecture, entries = _tensor_index(gguf, header)
         write_config_and_tokenizer(gguf, scratch, architecture, header)
         write_index(scratch, architecture, entries)
         log.info(
